@@ -1,0 +1,1 @@
+"""Generated CSI v1 stubs (from proto/csi.proto). Never edit by hand: `make proto`."""
