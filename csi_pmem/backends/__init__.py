@@ -1,0 +1,1 @@
+"""Back ends: where namespaces are carved. Servicers import only :mod:`.base`."""

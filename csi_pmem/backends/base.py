@@ -1,0 +1,108 @@
+"""The one interface every back end implements (ndctl, emulated, and test fakes).
+
+Why an interface: the servicers and the driver core must behave identically whether
+namespaces live on real NVDIMM regions (``ndctl``) or in files (``emulated``). The
+contract, including the error types, is fixed here; implementations hold no CSI
+knowledge. Sizes are raw namespace sizes unless named ``usable``.
+
+Contract:
+- ``pools()`` lists every region, usable or not; unusable ones say why in ``problem``.
+- ``namespaces()`` lists the namespaces that carry a name (the driver's volume ids are
+  names); nameless ones are not ours and are never touched.
+- ``create(name, pool, size, align)`` makes a devdax namespace of exactly ``size`` raw
+  bytes (already a multiple of ``pool.align`` and ``align``); raises
+  :class:`ResourceExhausted` when it does not fit and :class:`AlreadyExists` when the
+  name is taken. It is called under the driver's node-wide lock.
+- ``destroy(name)`` removes it; a missing name is not an error.
+- ``open_device(ns, readonly)`` returns a new fd that maps the usable bytes from
+  offset 0 (O_RDONLY when ``readonly``); the caller owns and closes it.
+- ``probe()`` says whether the back end can serve (False with a reason otherwise).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A region of DAX memory on one NUMA node."""
+
+    name: str
+    numa_node: int
+    size: int
+    free: int
+    largest_extent: int
+    align: int
+    problem: str | None = None
+    label_slots: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.problem is None
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """A devdax namespace (one per volume)."""
+
+    name: str
+    pool: str
+    numa_node: int
+    size: int
+    usable_size: int
+    align: int
+    device: str
+    handle: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Backend(abc.ABC):
+    """See the module docstring for the contract."""
+
+    kind: str = "abstract"
+
+    @abc.abstractmethod
+    def pools(self) -> list[Pool]: ...
+
+    @abc.abstractmethod
+    def namespaces(self) -> list[Namespace]: ...
+
+    def get(self, name: str) -> Namespace | None:
+        for ns in self.namespaces():
+            if ns.name == name:
+                return ns
+        return None
+
+    @abc.abstractmethod
+    def create(self, name: str, pool: str, size: int, align: int) -> Namespace: ...
+
+    @abc.abstractmethod
+    def destroy(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    def open_device(self, ns: Namespace, readonly: bool) -> int: ...
+
+    def probe(self) -> tuple[bool, str]:
+        pools = self.pools()
+        if not pools:
+            return False, f"{self.kind} back end found no regions"
+        bad = [p for p in pools if not p.usable]
+        if len(bad) == len(pools):
+            return False, "; ".join(f"{p.name}: {p.problem}" for p in bad)
+        return True, "ok"
+
+    def max_volumes(self) -> int:
+        """How many volumes this node can hold at most (label slots), 0 if unbounded."""
+        return sum(p.label_slots for p in self.pools())
+
+    def device_present(self, ns: Namespace) -> bool:
+        import os
+
+        return os.path.exists(ns.device)
+
+    def close(self) -> None:
+        """Release resources (threads, caches). Namespaces stay."""

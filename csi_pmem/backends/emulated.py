@@ -1,0 +1,199 @@
+"""Emulated back end: devdax-like namespaces as files in per-NUMA pools.
+
+Why: the host kernel of a laptop, a CI runner or a GPU node without NVDIMMs has no
+device-dax, yet the driver, its tests and the weight cache must behave exactly as on
+PMEM. Each configured region is a directory ``<root>/region<N>`` with a fixed
+capacity; each namespace is one file ``<volume id>~<align>.dax`` of its raw size,
+space reserved with fallocate, so the fd a client receives maps the volume from offset
+0 just like ``/dev/daxX.Y``. Sizing, alignment, naming, erase and restart behaviour
+follow the ndctl back end: the same struct-page overhead is charged so usable sizes
+and capacity add up the same way.
+
+``device_type="loop"`` additionally attaches each file to a loop device and hands out
+the loop device: a real device node, so device-cgroup rules apply to it exactly as to
+``/dev/daxX.Y`` (used by the fd-passing tests; the fsdax emulation builds on it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+from csi_pmem import runner
+from csi_pmem.backends.base import Backend, Namespace, Pool
+from csi_pmem.errors import AlreadyExists, BackendError, InvalidArgument, NotFound, \
+    ResourceExhausted
+from csi_pmem.sizes import REGION_ALIGN, devdax_usable, parse_quantity, round_down
+
+log = logging.getLogger(__name__)
+
+LABEL_SLOTS_PER_REGION = 510  # what one NVDIMM's label area holds (DESIGN.md 1.4)
+SUFFIX = ".dax"
+
+
+def parse_regions(spec: str) -> dict[int, int]:
+    """Parse ``"0=2Gi,1=2Gi"`` into {numa node: bytes}, rounded down to the region align."""
+    regions: dict[int, int] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        node, sep, size = item.partition("=")
+        if not sep or not node.strip().isdecimal():
+            raise InvalidArgument(
+                f"invalid emulated region {item!r}: use NUMA=SIZE, for example 0=2Gi,1=2Gi")
+        n = int(node)
+        if n in regions:
+            raise InvalidArgument(f"emulated region for NUMA node {n} given twice")
+        nbytes = round_down(parse_quantity(size), REGION_ALIGN)
+        if nbytes <= 0:
+            raise InvalidArgument(f"emulated region {item!r} is smaller than 16Mi")
+        regions[n] = nbytes
+    if not regions:
+        raise InvalidArgument("no emulated regions configured (for example 0=2Gi,1=2Gi)")
+    return regions
+
+
+class EmulatedBackend(Backend):
+    kind = "emulated"
+    zeroes_new_namespaces = True  # fresh files read as zeros; no erase needed on create
+
+    def __init__(self, root: str | os.PathLike, regions: dict[int, int],
+                 device_type: str = "file") -> None:
+        if device_type not in ("file", "loop"):
+            raise InvalidArgument(f"invalid emulated device type {device_type!r}: file or loop")
+        self.root = Path(root)
+        self.regions = dict(sorted(regions.items()))
+        self.device_type = device_type
+        self._lock = threading.Lock()  # guards the loop-device map only
+        for node in self.regions:
+            self._dir(f"region{node}").mkdir(parents=True, exist_ok=True)
+        self._write_layout()
+
+    # -- layout -------------------------------------------------------------------
+    def _dir(self, pool: str) -> Path:
+        return self.root / pool
+
+    def _write_layout(self) -> None:
+        """Record the configured regions so a shrunk configuration is noticed, not trusted."""
+        (self.root / "regions.json").write_text(json.dumps(
+            {f"region{n}": {"numa_node": n, "size": s} for n, s in self.regions.items()}))
+
+    def _files(self, pool: str) -> list[Path]:
+        return sorted(self._dir(pool).glob(f"*{SUFFIX}"))
+
+    @staticmethod
+    def _parse_file(path: Path) -> tuple[str, int] | None:
+        stem = path.name[: -len(SUFFIX)]
+        name, sep, align = stem.rpartition("~")
+        if not sep or not align.isdecimal() or not name:
+            return None
+        return name, int(align)
+
+    # -- Backend ------------------------------------------------------------------
+    def pools(self) -> list[Pool]:
+        pools = []
+        for node, size in self.regions.items():
+            name = f"region{node}"
+            used = sum(f.stat().st_size for f in self._files(name))
+            free = max(0, size - used)
+            problem = None
+            if used > size:
+                problem = (f"namespaces use {used} bytes but the region is configured with "
+                           f"{size}; enlarge --emulated-regions for NUMA node {node}")
+            pools.append(Pool(name=name, numa_node=node, size=size, free=free,
+                              largest_extent=free, align=REGION_ALIGN, problem=problem,
+                              label_slots=LABEL_SLOTS_PER_REGION))
+        return pools
+
+    def namespaces(self) -> list[Namespace]:
+        loops = self._loop_map() if self.device_type == "loop" else {}
+        result = []
+        for node in self.regions:
+            pool = f"region{node}"
+            for path in self._files(pool):
+                parsed = self._parse_file(path)
+                if parsed is None:
+                    continue
+                name, align = parsed
+                size = path.stat().st_size
+                device = str(path)
+                if self.device_type == "loop":
+                    device = loops.get(str(path)) or self._attach(path)
+                result.append(Namespace(name=name, pool=pool, numa_node=node, size=size,
+                                        usable_size=devdax_usable(size, align), align=align,
+                                        device=device, handle=str(path)))
+        return result
+
+    def create(self, name: str, pool: str, size: int, align: int) -> Namespace:
+        node = self._node(pool)
+        if self.get(name) is not None:
+            raise AlreadyExists(f"a namespace named {name} already exists")
+        free = next(p.free for p in self.pools() if p.name == pool)
+        if size > free:
+            raise ResourceExhausted(
+                f"{pool} (NUMA node {node}) has {free} bytes free, {size} needed")
+        path = self._dir(pool) / f"{name}~{align}{SUFFIX}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise ResourceExhausted(
+                f"the file system under {self.root} has no room for {size} bytes "
+                f"({exc.strerror}); emulated regions promise more than it holds") from exc
+        os.fsync(fd)
+        os.close(fd)
+        ns = self.get(name)
+        if ns is None:  # pragma: no cover - the file was just created
+            raise BackendError(f"namespace {name} vanished right after creation")
+        return ns
+
+    def destroy(self, name: str) -> None:
+        ns = self.get(name)
+        if ns is None:
+            return
+        if self.device_type == "loop":
+            self._detach(ns.handle)
+        Path(ns.handle).unlink(missing_ok=True)
+
+    def open_device(self, ns: Namespace, readonly: bool) -> int:
+        flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
+        try:
+            return os.open(ns.device, flags)
+        except FileNotFoundError as exc:
+            raise NotFound(f"device {ns.device} of volume {ns.name} is gone") from exc
+
+    def device_present(self, ns: Namespace) -> bool:
+        return os.path.exists(ns.handle) and os.path.exists(ns.device)
+
+    # -- helpers ------------------------------------------------------------------
+    def _node(self, pool: str) -> int:
+        for node in self.regions:
+            if f"region{node}" == pool:
+                return node
+        raise InvalidArgument(f"unknown pool {pool!r}")
+
+    def _loop_map(self) -> dict[str, str]:
+        out = runner.run_json(["losetup", "--list", "--json", "--output", "NAME,BACK-FILE"],
+                              timeout=30)
+        devices = out.get("loopdevices", []) if isinstance(out, dict) else []
+        return {d["back-file"].removesuffix(" (deleted)"): d["name"] for d in devices
+                if d.get("back-file")}
+
+    def _attach(self, path: Path) -> str:
+        with self._lock:
+            existing = self._loop_map().get(str(path))
+            if existing:
+                return existing
+            res = runner.run(["losetup", "--find", "--show", str(path)], timeout=30)
+            device = res.stdout.strip()
+            log.info("attached %s to %s", path, device)
+            return device
+
+    def _detach(self, path: str) -> None:
+        with self._lock:
+            device = self._loop_map().get(path)
+            if device:
+                runner.run(["losetup", "--detach", device], timeout=30)

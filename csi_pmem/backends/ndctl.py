@@ -1,0 +1,704 @@
+"""The real back end: devdax namespaces on NVDIMM regions, carved with ``ndctl``.
+
+Why: this is the production path. Each volume is one labelled devdax namespace whose
+alt-name is the volume id, so the label area is the durable record of which namespace
+belongs to which volume (DESIGN.md 1.4, 2.3). Everything goes through ``ndctl`` with
+JSON output (argv lists, timeouts, ``LC_ALL=C``: :mod:`csi_pmem.runner`); sysfs under
+``/sys/bus/nd/devices`` is read only for facts ``ndctl list`` does not print.
+
+What ``ndctl list`` prints (ndctl ``ndctl/list.c`` ``region_to_json``,
+``ndctl/json.c`` ``util_namespace_to_json``, ``daxctl/json.c``):
+
+- ``--regions``: ``dev``, ``size``, ``align``, ``available_size``,
+  ``max_available_extent``, ``type`` ("pmem"), ``numa_node``/``target_node`` (only with
+  ``--verbose``), ``iset_id`` (only for labelled regions, see below), ``mappings`` (only
+  with ``--dimms``), ``state: "disabled"`` (only with ``--idle``),
+  ``persistence_domain``. No physical start address.
+- ``--namespaces`` nested in each region: ``dev``, ``mode``, ``map``, ``size`` (for
+  devdax this is the *usable* size of the dax device, not the raw namespace size),
+  ``uuid``, ``daxregion`` (with ``--verbose``/``-X``; its ``devices[].chardev`` is the
+  ``daxX.Y`` node) or ``chardev``, ``align``, ``name`` (the alt-name, only when set),
+  ``numa_node`` (verbose), ``state: "disabled"`` (idle namespaces, including size-0
+  seeds and destroyed namespaces).
+- With both ``--regions`` and ``--dimms`` the output is one object
+  ``{"dimms": [...], "regions": [...]}``; with one class it is an array; with nothing
+  to show it is empty.
+
+Locking: :meth:`create` and :meth:`destroy` write namespace labels. Concurrent ndctl
+writes have corrupted labels and oopsed kernels (pmem/ndctl#91, #96), so they must be
+serialised node-wide. The driver core already holds its node-wide lock around every
+create/destroy (``Driver.node_lock``); this class adds no second lock and is not safe
+for concurrent writers on its own. Reads (:meth:`pools`, :meth:`namespaces`) are safe
+to run at any time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from csi_pmem.backends.base import Backend, Namespace, Pool
+from csi_pmem.errors import (
+    AlreadyExists,
+    BackendError,
+    CommandError,
+    CsiPmemError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from csi_pmem.runner import Runner
+from csi_pmem.sizes import (
+    REGION_ALIGN,
+    MiB,
+    allocation_for,
+    devdax_usable,
+    format_bytes,
+    round_down,
+)
+
+log = logging.getLogger(__name__)
+
+# ndctl refuses fsdax/devdax namespaces whose physical start is not 16 MiB aligned
+# (``check_dax_align()`` in ndctl/namespace.c, hard-coded SZ_16M, not the region align).
+NDCTL_START_ALIGN = 16 * MiB
+DEFAULT_DEVDAX_ALIGN = 2 * MiB
+# include/uapi/linux/ndctl.h: the region's ``nstype`` sysfs attribute.
+ND_DEVICE_NAMESPACE_IO = 4     # label-less ("legacy") pmem: one namespace per region
+ND_DEVICE_NAMESPACE_PMEM = 5   # labelled pmem: sub-dividable
+MAX_NAME_LEN = 63              # alt-name buffer is 64 bytes including the NUL
+# A problem learned from a failed create is kept this long, then sysfs/ndctl evidence
+# is trusted again (an administrator may have fixed the region meanwhile).
+LEARNED_PROBLEM_TTL = 300.0
+
+LABELLESS_FIX = "ndctl disable-region all; ndctl init-labels -f all; ndctl enable-region all"
+
+
+def labelless_problem(region: str) -> str:
+    return (f"{region} is label-less: its NVDIMMs have no initialised namespace label "
+            "area, so the kernel exposes the whole region as one fixed namespace and ndctl "
+            "refuses to sub-divide it (\"Legacy / label-less namespaces do not support "
+            "sub-dividing a region\"). Initialise the labels while nothing uses the "
+            f"NVDIMMs (this discards every namespace on them): {LABELLESS_FIX}")
+
+
+def misaligned_problem(region: str, start: int | None) -> str:
+    where = f"starts at physical address {start:#x}, which is" if start is not None else "is"
+    return (f"{region} {where} not 16 MiB aligned; ndctl refuses every devdax/fsdax "
+            "namespace on it (\"misaligned to 16M, adjust region alignment and retry\") and "
+            "lowering the region's align does not help. Make the platform place the region "
+            "on a 16 MiB boundary (firmware/BIOS memory map; in QEMU add align=16M to each "
+            "NVDIMM's memory-backend-file)")
+
+
+def disabled_problem(region: str) -> str:
+    return f"{region} is disabled: enable it with 'ndctl enable-region {region}'"
+
+
+def readonly_problem(region: str) -> str:
+    return (f"{region} is read-only (the kernel marks a region read-only when an NVDIMM "
+            f"cannot persist writes): check 'ndctl list -DH -r {region}'; once the NVDIMMs "
+            f"are healthy, 'echo 0 > /sys/bus/nd/devices/{region}/read_only'")
+
+
+def no_devdax_problem(region: str) -> str:
+    return (f"{region} offers no device-dax instance (dax_seed is empty): the kernel lacks "
+            "CONFIG_NVDIMM_DAX / the dax_pmem and device_dax modules; load them with "
+            "'modprobe dax_pmem device_dax'")
+
+
+# ---------------------------------------------------------------------------- sysfs
+class Sysfs:
+    """Read-only access to ``<root>/bus/nd/devices/<dev>/<attr>``; None if unreadable.
+
+    Attributes can be missing (older kernels), hidden (``region_visible()``), root-only
+    (``resource`` is 0400) or fail with ENXIO on disabled devices: all mean "unknown".
+    """
+
+    def __init__(self, root: str | os.PathLike = "/sys"):
+        self.base = Path(root) / "bus" / "nd" / "devices"
+
+    def read(self, dev: str, attr: str) -> str | None:
+        try:
+            return (self.base / dev / attr).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    def read_int(self, dev: str, attr: str) -> int | None:
+        text = self.read(dev, attr)
+        if not text:
+            return None
+        try:
+            return int(text, 0)  # resource and align are hex ("0x1000000"), others decimal
+        except ValueError:
+            return None
+
+
+# ------------------------------------------------------------------- listing model
+@dataclass
+class _Listing:
+    """One ``ndctl list`` snapshot, normalised to regions and DIMMs."""
+
+    regions: list[dict[str, Any]] = field(default_factory=list)
+    dimms: list[dict[str, Any]] = field(default_factory=list)
+
+    def region(self, name: str) -> dict[str, Any] | None:
+        return next((r for r in self.regions if r.get("dev") == name), None)
+
+    def named(self, name: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """(region, namespace) pairs of configured namespaces with this alt-name, any mode."""
+        return [(r, ns) for r in self.regions for ns in r.get("namespaces") or []
+                if ns.get("name") == name and _configured(ns)]
+
+
+def _normalise(doc: Any) -> _Listing:
+    """Accept every shape ``ndctl list`` prints (array, platform object, bus array)."""
+    out = _Listing()
+    if isinstance(doc, dict):
+        if "dev" in doc:  # a lone object (ndctl with --human, or very old releases)
+            doc = [doc]
+        else:
+            out.regions.extend(doc.get("regions") or [])
+            out.dimms.extend(doc.get("dimms") or [])
+            for bus in doc.get("buses") or []:
+                out.regions.extend(bus.get("regions") or [])
+                out.dimms.extend(bus.get("dimms") or [])
+            return out
+    if not isinstance(doc, list):
+        raise BackendError(f"unexpected 'ndctl list' output: {type(doc).__name__}")
+    for item in doc:
+        if not isinstance(item, dict):
+            continue
+        dev = str(item.get("dev", ""))
+        if "provider" in item:  # a bus object
+            out.regions.extend(item.get("regions") or [])
+            out.dimms.extend(item.get("dimms") or [])
+        elif dev.startswith("region"):
+            out.regions.append(item)
+        elif dev.startswith("nmem"):
+            out.dimms.append(item)
+    return out
+
+
+def _int(value: Any, default: int = 0) -> int:
+    """ndctl prints sizes as JSON integers (strings only with --human, which we never use)."""
+    if isinstance(value, bool) or value is None:
+        return default
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value), 0)
+    except ValueError:
+        return default
+
+
+def _configured(ns: dict[str, Any]) -> bool:
+    """False for idle seeds and destroyed namespaces (raw, size 0, null uuid)."""
+    if _int(ns.get("size")) > 0:
+        return True
+    if ns.get("mode") in ("devdax", "fsdax", "sector"):
+        return True
+    return bool(str(ns.get("uuid", "")).strip("0-"))
+
+
+def _disabled(obj: dict[str, Any]) -> bool:
+    return obj.get("state") == "disabled"
+
+
+def _dax_device(ns: dict[str, Any]) -> dict[str, Any]:
+    """The namespace's dax device entry (chardev, size, align) if ndctl printed one."""
+    devices = (ns.get("daxregion") or {}).get("devices") or []
+    sized = [d for d in devices if _int(d.get("size")) > 0]
+    if sized or devices:
+        return (sized or devices)[0]
+    if ns.get("chardev"):
+        return {"chardev": ns["chardev"]}
+    return {}
+
+
+# --------------------------------------------------------------- error translation
+# Texts from ndctl/namespace.c (printed under LC_ALL=C); first match wins.
+_FAILURES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (kind, re.compile(pattern, re.IGNORECASE)) for kind, pattern in (
+        ("labelless", r"label-less namespaces do not support sub-dividing"),
+        ("misaligned", r"misaligned to 16M"),
+        ("exists", r"already exists|File exists"),
+        ("space", r"No space left on device|insufficient capacity"),
+        ("size", (r"must align to interleave-width|align setting is .* is misaligned"
+                  r"|must be >= 16MiB|alt name overflow")),
+        ("align", r"unsupported align"),
+        ("nodax", r"Kernel does not support .*mode|cannot support requested mode"),
+        ("readonly", r"read-only"),
+    ))
+
+
+def classify(stderr: str) -> str | None:
+    """Name the known ndctl failure in ``stderr`` (None if it is not a known one)."""
+    return next((kind for kind, pattern in _FAILURES if pattern.search(stderr)), None)
+
+
+# -------------------------------------------------------------------- the backend
+class NdctlBackend(Backend):
+    """Devdax namespaces on real NVDIMM regions (see the module docstring)."""
+
+    kind = "ndctl"
+    zeroes_new_namespaces = False  # old data may be there: the driver erases new volumes
+
+    def __init__(self, runner: Runner | None = None, ndctl: str = "ndctl",
+                 sysfs_root: str | os.PathLike = "/sys", timeout: float = 120):
+        self._runner = runner if runner is not None else Runner()
+        self._ndctl = ndctl
+        self._sysfs = Sysfs(sysfs_root)
+        self._timeout = timeout
+        self._learned: dict[str, tuple[str, float]] = {}
+        self._learned_lock = threading.Lock()  # pools() may run outside the node lock
+
+    # -- listing --------------------------------------------------------------------
+    def _list(self) -> _Listing:
+        # One call gives regions (numa_node needs --verbose), their namespaces including
+        # disabled ones (--idle: a destroy interrupted after disable must still be
+        # found), the dax devices (--verbose implies -X) and DIMM mappings (--dimms).
+        argv = [self._ndctl, "list", "--regions", "--namespaces", "--dimms", "--idle",
+                "--verbose"]
+        return _normalise(self._runner.run_json(argv, timeout=self._timeout))
+
+    @staticmethod
+    def _pmem_regions(listing: _Listing) -> Iterable[dict[str, Any]]:
+        return (r for r in listing.regions if r.get("type", "pmem") == "pmem" and r.get("dev"))
+
+    def pools(self) -> list[Pool]:
+        listing = self._list()
+        return [self._pool(r, listing) for r in self._pmem_regions(listing)]
+
+    def namespaces(self) -> list[Namespace]:
+        listing = self._list()
+        out = []
+        for region in self._pmem_regions(listing):
+            pool = self._pool(region, listing)
+            for ns in region.get("namespaces") or []:
+                if ns.get("mode") == "devdax" and ns.get("name") and _configured(ns):
+                    out.append(self._namespace(ns, pool))
+        return out
+
+    # -- pools ----------------------------------------------------------------------
+    def _pool(self, region: dict[str, Any], listing: _Listing) -> Pool:
+        name = str(region["dev"])
+        problems = self._problems(region)
+        align = self._pool_align(region)
+        free = _int(region.get("available_size"))
+        extent = region.get("max_available_extent")
+        # Kernels before 4.19 lack max_available_extent: the free total is the best guess.
+        largest = _int(extent) if extent is not None else free
+        if problems:
+            free = largest = 0  # nothing can be carved, whatever the kernel counts
+        return Pool(
+            name=name,
+            numa_node=self._numa_node(region),
+            size=_int(region.get("size")),
+            free=free,
+            largest_extent=round_down(largest, align),
+            align=align,
+            problem="; ".join(problems) or None,
+            label_slots=0 if problems else self._label_slots(region, listing),
+        )
+
+    def _problems(self, region: dict[str, Any]) -> list[str]:
+        name = str(region["dev"])
+        problems = []
+        if _disabled(region):
+            problems.append(disabled_problem(name))
+        if self._labelled(region) is False:
+            problems.append(labelless_problem(name))
+        start = self._sysfs.read_int(name, "resource")
+        if start is not None and start % NDCTL_START_ALIGN:
+            problems.append(misaligned_problem(name, start))
+        if self._sysfs.read(name, "read_only") == "1":
+            problems.append(readonly_problem(name))
+        if self._sysfs.read(name, "dax_seed") == "":
+            problems.append(no_devdax_problem(name))
+        learned = self._learned_problem(name)
+        if learned and not problems:
+            problems.append(learned)
+        return problems
+
+    def _labelled(self, region: dict[str, Any]) -> bool | None:
+        """Whether the region supports labelled (sub-dividable) namespaces.
+
+        Detection, most authoritative first:
+
+        1. sysfs ``regionN/nstype``: 5 (ND_DEVICE_NAMESPACE_PMEM) is labelled, 4
+           (ND_DEVICE_NAMESPACE_IO) is label-less. The kernel derives it in
+           ``nd_region_to_nstype()`` (drivers/nvdimm/region_devs.c) from the
+           NDD_LABELING flag of the region's DIMMs, which the DIMM driver sets only
+           when it finds a valid namespace index block in the label area. ndctl's own
+           refusal ("Legacy / label-less namespaces do not support sub-dividing a
+           region", ``validate_namespace_options()`` in ndctl/namespace.c) tests exactly
+           ``ndctl_region_get_nstype() == ND_DEVICE_NAMESPACE_IO``, so this predicts
+           the failure precisely.
+        2. Without sysfs (non-root tests, odd mounts): libndctl reads the interleave-set
+           cookie only for nstype PMEM (``region_set_type()``,
+           ``ndctl_region_get_interleave_set()``), so ``ndctl list`` prints ``iset_id``
+           only for labelled regions; and it reports ``available_size`` and
+           ``max_available_extent`` as 0 for any other nstype. A pmem region with no
+           ``iset_id`` and zero available size is label-less.
+
+        Label-less regions typically also show one raw namespace spanning the whole
+        region with no uuid, but a labelled region can look alike, so that is not used.
+        """
+        nstype = self._sysfs.read_int(str(region["dev"]), "nstype")
+        if nstype == ND_DEVICE_NAMESPACE_IO:
+            return False
+        if nstype == ND_DEVICE_NAMESPACE_PMEM:
+            return True
+        if "iset_id" in region:
+            return True
+        if _int(region.get("available_size")) == 0 and \
+                _int(region.get("max_available_extent")) == 0:
+            return False
+        return None
+
+    def _interleave_ways(self, region: dict[str, Any]) -> int:
+        mappings = region.get("mappings")
+        if mappings:
+            return len(mappings)
+        return max(1, self._sysfs.read_int(str(region["dev"]), "mappings") or 1)
+
+    def _pool_align(self, region: dict[str, Any]) -> int:
+        """Granularity of namespace sizes in this region.
+
+        ndctl demands a size that is a multiple of the region ``align`` (16 MiB by
+        default, times the interleave ways when 16 MiB does not divide evenly across
+        them: ``default_align()`` in region_devs.c) and of the devdax align times the
+        interleave ways (``validate_namespace_options()``). Sizes are also kept at 16 MiB
+        multiples even if someone lowered the region align, because every namespace after
+        an odd-sized one would start misaligned and be refused.
+        """
+        region_align = _int(region.get("align")) or \
+            self._sysfs.read_int(str(region["dev"]), "align") or REGION_ALIGN
+        ways = self._interleave_ways(region)
+        return math.lcm(region_align, REGION_ALIGN, DEFAULT_DEVDAX_ALIGN * ways)
+
+    def _numa_node(self, region: dict[str, Any]) -> int:
+        node = region.get("numa_node")
+        if node is None:
+            node = self._sysfs.read_int(str(region["dev"]), "numa_node")
+        # -1 (or absent) means the platform gave no proximity domain: a single node.
+        return node if isinstance(node, int) and node >= 0 else 0
+
+    def _region_dimms(self, region: dict[str, Any]) -> list[str]:
+        dimms = [str(m["dimm"]) for m in region.get("mappings") or [] if m.get("dimm")]
+        if dimms:
+            return dimms
+        name = str(region["dev"])
+        for i in range(self._sysfs.read_int(name, "mappings") or 0):
+            entry = self._sysfs.read(name, f"mapping{i}")  # "nmem0,start,size[,position]"
+            if entry:
+                dimms.append(entry.split(",", 1)[0])
+        return dimms
+
+    def _label_slots(self, region: dict[str, Any], listing: _Listing) -> int:
+        """How many namespaces this region can hold in total, limited by label space.
+
+        Each namespace of a region takes one label on every DIMM of the region.
+        sysfs ``nmemX/available_slots`` is the number of free label slots minus the one
+        the kernel keeps for updates (``available_slots_show()`` in dimm_devs.c); the
+        namespaces already configured on regions using that DIMM hold the others. The
+        region's capacity is the minimum over its DIMMs. 0 means unknown.
+        """
+        counts: dict[str, int] = {}
+        for other in listing.regions:
+            used = sum(1 for ns in other.get("namespaces") or [] if _configured(ns))
+            for dimm in self._region_dimms(other):
+                counts[dimm] = counts.get(dimm, 0) + used
+        totals = []
+        for dimm in self._region_dimms(region):
+            free = self._sysfs.read_int(dimm, "available_slots")
+            if free is not None:
+                totals.append(free + counts.get(dimm, 0))
+        return min(totals, default=0)
+
+    # -- learned problems ---------------------------------------------------------
+    def _learn(self, region: str, problem: str) -> None:
+        with self._learned_lock:
+            self._learned[region] = (problem, time.monotonic() + LEARNED_PROBLEM_TTL)
+
+    def _learned_problem(self, region: str) -> str | None:
+        with self._learned_lock:
+            entry = self._learned.get(region)
+            if entry and entry[1] < time.monotonic():
+                del self._learned[region]
+                return None
+            return entry[0] if entry else None
+
+    # -- namespaces -----------------------------------------------------------------
+    def _namespace(self, ns: dict[str, Any], pool: Pool, raw_size: int | None = None) -> Namespace:
+        dax = _dax_device(ns)
+        align = _int(ns.get("align")) or _int(dax.get("align")) or \
+            _int((ns.get("daxregion") or {}).get("align")) or DEFAULT_DEVDAX_ALIGN
+        usable = _int(dax.get("size")) or _int(ns.get("size"))
+        handle = str(ns.get("dev", ""))
+        node = ns.get("numa_node")
+        return Namespace(
+            name=str(ns["name"]),
+            pool=pool.name,
+            numa_node=node if isinstance(node, int) and node >= 0 else pool.numa_node,
+            size=self._raw_size(handle, usable, align, pool, raw_size),
+            usable_size=usable,
+            align=align,
+            device=f"/dev/{dax['chardev']}" if dax.get("chardev") else "",
+            handle=handle,
+        )
+
+    def _raw_size(self, handle: str, usable: int, align: int, pool: Pool,
+                  known: int | None = None) -> int:
+        """The raw namespace size; ndctl prints only the dax device's usable size.
+
+        sysfs ``namespaceX.Y/size`` has it. Without sysfs, use what was requested
+        (``known``, right after a create) or invert the sizing the driver used to create
+        it (exact for namespaces this driver made).
+        """
+        size = self._sysfs.read_int(handle, "size") if handle else None
+        if size:
+            return size
+        if known:
+            return known
+        if usable <= 0:
+            return 0
+        estimate = allocation_for(usable, align, pool.align)[0]
+        log.debug("%s: raw size not readable from sysfs, estimated %d", handle, estimate)
+        return estimate
+
+    # -- create ---------------------------------------------------------------------
+    def create(self, name: str, pool: str, size: int, align: int) -> Namespace:
+        _check_name(name)
+        if size <= 0 or align <= 0 or size % align:
+            raise InvalidArgument(f"namespace size {size} must be a positive multiple of the "
+                                  f"devdax align {align}")
+        listing = self._list()
+        taken = listing.named(name)
+        if taken:
+            region, ns = taken[0]
+            raise AlreadyExists(f"a namespace named {name} already exists "
+                                f"({ns.get('dev')} on {region.get('dev')})")
+        target = self._usable_pool(listing, pool, size, align)
+        argv = [self._ndctl, "create-namespace", f"--region={pool}", "--mode=devdax",
+                "--map=dev", f"--size={size}", f"--align={align}", f"--name={name}"]
+        try:
+            out = self._runner.run_json(argv, timeout=self._timeout)
+        except CommandError as e:
+            recovered = self._after_failed_create(e, name, target)
+            if recovered is not None:
+                return recovered
+            raise self._translate(e, target, size, align, name) from e
+        return self._created(out, name, target, size, align)
+
+    def _usable_pool(self, listing: _Listing, pool: str, size: int, align: int) -> Pool:
+        region = listing.region(pool)
+        if region is None or region.get("type", "pmem") != "pmem":
+            raise Unavailable(f"pmem region {pool} is not present on this node")
+        target = self._pool(region, listing)
+        if target.problem:
+            raise Unavailable(target.problem)
+        ways = self._interleave_ways(region)
+        if size % target.align or size % (align * ways):
+            raise InvalidArgument(
+                f"namespace size {size} on {pool} must be a multiple of "
+                f"{format_bytes(target.align)} and of the {format_bytes(align)} devdax align "
+                f"times the {ways} interleave ways")
+        return target
+
+    def _created(self, out: Any, name: str, pool: Pool, size: int, align: int) -> Namespace:
+        if isinstance(out, list):  # not what create-namespace prints, but harmless
+            out = out[0] if out else {}
+        if not isinstance(out, dict) or out.get("mode") != "devdax" or not _dax_device(out):
+            log.warning("unexpected create-namespace output for %s: %r; re-reading", name, out)
+            ns = self.get(name)
+            if ns is None:
+                raise BackendError(f"ndctl create-namespace for {name} succeeded but the "
+                                   "namespace cannot be found")
+            return ns
+        out = dict(out)
+        out.setdefault("name", name)
+        ns = self._namespace(out, pool, raw_size=size)
+        if ns.name != name:
+            raise BackendError(f"ndctl created {ns.handle} named {ns.name!r}, not {name!r}")
+        if ns.size != size:
+            log.warning("%s: kernel reports raw size %d, requested %d", ns.handle, ns.size, size)
+        expected = devdax_usable(size, align)
+        if ns.usable_size != expected:
+            log.warning("%s: kernel offers %d usable bytes, sizes.devdax_usable predicts %d "
+                        "(size %d, align %d); reporting the kernel's value",
+                        ns.handle, ns.usable_size, expected, size, align)
+        if ns.align != align:
+            log.warning("%s: devdax align is %d, requested %d", ns.handle, ns.align, align)
+        log.info("created %s (%s, %s usable) on %s as %s", name, format_bytes(size),
+                 format_bytes(ns.usable_size), pool.name, ns.device)
+        return ns
+
+    def _after_failed_create(self, err: CommandError, name: str, pool: Pool) -> Namespace | None:
+        """After an unexplained failure (timeout, kill), see what the kernel holds.
+
+        ndctl cleans up after the failures it recognises (--autorecover is the
+        default), but not if it was killed half-way. A complete devdax namespace with
+        our name means the create did finish; anything else with our name is a partial
+        one and is removed, since the name proves it is ours and it was never handed out.
+        """
+        if classify(err.stderr) is not None:
+            return None
+        try:
+            listing = self._list()
+        except CsiPmemError as e:
+            log.warning("cannot inspect %s after failed create: %s", name, e)
+            return None
+        found = listing.named(name)
+        done = [(r, ns) for r, ns in found
+                if ns.get("mode") == "devdax" and not _disabled(ns) and _dax_device(ns)]
+        if len(found) == 1 and done:
+            log.warning("create of %s reported failure (%s) but the namespace is complete",
+                        name, err)
+            return self._namespace(done[0][1], pool)
+        for _, ns in found:
+            log.warning("removing partial namespace %s (%s) left by the failed create",
+                        ns.get("dev"), name)
+            try:
+                self._destroy_one(str(ns["dev"]), active=not _disabled(ns))
+            except CsiPmemError as e:
+                log.error("cannot remove partial namespace %s: %s", ns.get("dev"), e)
+        return None
+
+    def _translate(self, err: CommandError, pool: Pool, size: int, align: int,
+                   name: str) -> CsiPmemError:
+        """Turn an ndctl failure into the domain error a user can act on."""
+        kind = classify(err.stderr)
+        said = _last_line(err.stderr)
+        if kind == "labelless":
+            self._learn(pool.name, labelless_problem(pool.name))
+            return Unavailable(labelless_problem(pool.name))
+        if kind == "misaligned":
+            start = self._sysfs.read_int(pool.name, "resource")
+            self._learn(pool.name, misaligned_problem(pool.name, start))
+            return Unavailable(misaligned_problem(pool.name, start))
+        if kind == "exists":
+            return AlreadyExists(f"a namespace named {name} already exists (ndctl: {said})")
+        if kind == "space":
+            return ResourceExhausted(
+                f"{pool.name} (NUMA node {pool.numa_node}) has no free extent of "
+                f"{format_bytes(size)} for a devdax namespace (ndctl: {said}); free "
+                "space may be fragmented: use a smaller volume or another node")
+        if kind == "size":
+            return InvalidArgument(
+                f"ndctl rejected a namespace of {size} bytes with align {format_bytes(align)} "
+                f"on {pool.name} (region granularity {format_bytes(pool.align)}): {said}")
+        if kind == "align":
+            return InvalidArgument(
+                f"{pool.name} does not support a devdax align of {format_bytes(align)} "
+                f"(ndctl: {said}); use 2Mi, or enable 1Gi pages for device-dax")
+        if kind == "nodax":
+            return Unavailable(no_devdax_problem(pool.name) + f" (ndctl: {said})")
+        if kind == "readonly":
+            return Unavailable(readonly_problem(pool.name))
+        if "failed to enable" in err.stderr:
+            return CommandError(err.argv, err.returncode, err.stderr, message=(
+                f"could not enable the devdax device (exit {err.returncode}); check dmesg "
+                "and that the dax_pmem and device_dax modules are loaded"))
+        return err
+
+    # -- destroy --------------------------------------------------------------------
+    def destroy(self, name: str) -> None:
+        """Remove every configured namespace named ``name``; none is fine.
+
+        Any mode counts, not only devdax: a create killed half-way can leave a raw
+        namespace that already carries the name. Namespaces without a name are never
+        touched: the exact name match is the proof of ownership.
+        """
+        if not name:
+            raise InvalidArgument("refusing to destroy a namespace without a name")
+        found = self._list().named(name)
+        for region, ns in found:
+            handle = str(ns["dev"])
+            log.info("destroying %s (%s) on %s", handle, name, region.get("dev"))
+            self._destroy_one(handle, active=not _disabled(ns))
+        if found and self._list().named(name):
+            raise BackendError(f"namespace {name} is still present after "
+                               "'ndctl destroy-namespace'; see the driver log")
+
+    def _destroy_one(self, handle: str, active: bool) -> None:
+        steps = []
+        if active:
+            steps.append([self._ndctl, "disable-namespace", handle])
+        steps.append([self._ndctl, "destroy-namespace", handle, "--force"])
+        for argv in steps:
+            try:
+                self._runner.run(argv, timeout=self._timeout)
+            except CommandError as e:
+                if self._handle_gone(handle):
+                    log.info("%s vanished while being destroyed: %s", handle, e)
+                    return
+                if classify(e.stderr) == "readonly":
+                    region = handle.removeprefix("namespace").split(".")[0]
+                    raise Unavailable(readonly_problem(f"region{region}")) from e
+                raise
+
+    def _handle_gone(self, handle: str) -> bool:
+        try:
+            listing = self._list()
+        except CsiPmemError:
+            return False
+        return not any(ns.get("dev") == handle and _configured(ns)
+                       for r in listing.regions for ns in r.get("namespaces") or [])
+
+    # -- devices --------------------------------------------------------------------
+    def open_device(self, ns: Namespace, readonly: bool) -> int:
+        if not ns.device:
+            raise Unavailable(f"namespace {ns.name} ({ns.handle}) has no dax device; is it "
+                              f"disabled? try 'ndctl enable-namespace {ns.handle}'")
+        flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
+        try:
+            return os.open(ns.device, flags)
+        except FileNotFoundError as e:
+            raise NotFound(f"device {ns.device} of volume {ns.name} does not exist; is /dev "
+                           "the host's /dev in this container?") from e
+        except OSError as e:
+            raise BackendError(f"cannot open {ns.device} of volume {ns.name}: "
+                               f"{e.strerror}") from e
+
+    # -- health ---------------------------------------------------------------------
+    def probe(self) -> tuple[bool, str]:
+        try:
+            pools = self.pools()
+        except CsiPmemError as e:
+            return False, f"ndctl is not usable: {e}"
+        if not pools:
+            return False, ("ndctl found no pmem regions: check that the NVDIMMs are "
+                           "configured for App Direct and the nfit/nd_pmem modules are loaded")
+        bad = [f"{p.name}: {p.problem}" for p in pools if not p.usable]
+        if len(bad) == len(pools):
+            return False, "no usable region: " + "; ".join(bad)
+        return True, "ok" + (f" (unusable: {'; '.join(bad)})" if bad else "")
+
+    def max_volumes(self) -> int:
+        """Label slots of the usable regions (0 when unknown, which means unbounded)."""
+        return sum(p.label_slots for p in self.pools() if p.usable)
+
+
+def _check_name(name: str) -> None:
+    if not name or len(name.encode()) > MAX_NAME_LEN or not name.isascii() \
+            or not name.isprintable() or any(c.isspace() for c in name):
+        raise InvalidArgument(f"invalid namespace name {name!r}: 1 to {MAX_NAME_LEN} printable "
+                              "ASCII characters without spaces")
+
+
+def _last_line(stderr: str) -> str:
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    # ndctl ends with a generic "failed to create namespace: ..." after the real reason.
+    specific = [line for line in lines if not line.startswith("failed to ")]
+    return (specific or lines or ["no error output"])[-1].removeprefix("Error: ")

@@ -1,0 +1,79 @@
+"""Command line: ``csi-pmem serve`` runs the driver, ``csi-pmem volume ...`` talks to it.
+
+The ``volume`` commands are a small CSI client over the driver's socket so a newcomer
+can create, publish and inspect volumes without Kubernetes; they send exactly the RPCs
+external-provisioner and kubelet would send.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from csi_pmem import config
+from csi_pmem.errors import CsiPmemError
+
+USER_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="csi-pmem", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the CSI driver (Identity, Controller, Node)")
+    config.add_serve_flags(serve)
+
+    vol = sub.add_parser("volume", help="create, list, publish ... volumes over the CSI socket")
+    vol.add_argument("--endpoint", default=os.environ.get(config.env_name("endpoint"),
+                                                          config.DEFAULTS["endpoint"]),
+                     help="driver endpoint [env CSI_PMEM_ENDPOINT]")
+    vol.add_argument("--timeout", type=float, default=120, help="seconds per call")
+    vsub = vol.add_subparsers(dest="action", required=True)
+    c = vsub.add_parser("create", help="CreateVolume")
+    c.add_argument("name")
+    c.add_argument("--size", required=True, help="minimum usable size, e.g. 1Gi")
+    c.add_argument("--limit", default="0", help="maximum size (0: none)")
+    c.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
+                   help="StorageClass parameter (deviceMode, numaNode, align, eraseOnDelete)")
+    vsub.add_parser("list", help="ListVolumes")
+    d = vsub.add_parser("delete", help="DeleteVolume")
+    d.add_argument("volume_id")
+    p = vsub.add_parser("publish", help="NodePublishVolume (mounts volume.json and dax.sock)")
+    p.add_argument("volume_id")
+    p.add_argument("target")
+    p.add_argument("--readonly", action="store_true")
+    p.add_argument("--pod-uid", default="", help="only processes of this pod may get the fd")
+    u = vsub.add_parser("unpublish", help="NodeUnpublishVolume")
+    u.add_argument("volume_id")
+    u.add_argument("target")
+    cap = vsub.add_parser("capacity", help="GetCapacity")
+    cap.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE")
+    s = vsub.add_parser("stats", help="NodeGetVolumeStats")
+    s.add_argument("volume_id")
+    s.add_argument("target")
+    i = vsub.add_parser("inspect", help="connect to a published volume's dax.sock, map it and "
+                        "report what a pod would get (no gRPC)")
+    i.add_argument("target")
+    vsub.add_parser("info", help="GetPluginInfo, Probe and NodeGetInfo")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            from csi_pmem import logs, server
+
+            cfg = config.from_args(args)
+            logs.setup(cfg.log_format, cfg.log_level)
+            return server.serve(cfg)
+        from csi_pmem import client
+
+        result = client.run(args)
+    except CsiPmemError as exc:
+        print(f"csi-pmem: {exc}", file=sys.stderr)
+        return USER_ERROR
+    if result is not None:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    return 0

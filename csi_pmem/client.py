@@ -1,0 +1,117 @@
+"""The ``csi-pmem volume`` client: CSI calls over the driver socket, printed as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+
+import grpc
+from google.protobuf import json_format
+
+from csi_pmem.config import grpc_address
+from csi_pmem.csi import csi_pb2, csi_pb2_grpc
+from csi_pmem.errors import CsiPmemError
+from csi_pmem.sizes import parse_quantity
+
+Mode = csi_pb2.VolumeCapability.AccessMode
+
+
+class ClientError(CsiPmemError):
+    pass
+
+
+def _params(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ClientError(f"parameter {item!r} must look like KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _cap(readonly: bool = False) -> csi_pb2.VolumeCapability:
+    return csi_pb2.VolumeCapability(
+        mount=csi_pb2.VolumeCapability.MountVolume(),
+        access_mode=Mode(mode=Mode.SINGLE_NODE_READER_ONLY if readonly
+                         else Mode.SINGLE_NODE_WRITER))
+
+
+def _dict(msg) -> dict:
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+
+
+def inspect(target: str) -> dict:
+    from csi_pmem.daxclient import open_volume
+
+    meta, fd = open_volume(target)
+    try:
+        size = int(meta["usable_size"])
+        prot = mmap.PROT_READ | (0 if meta.get("readonly") else mmap.PROT_WRITE)
+        with mmap.mmap(fd, size, mmap.MAP_SHARED, prot) as mm:
+            first = mm[:16].hex()
+        return {"metadata": meta, "mapped_bytes": size, "first_16_bytes": first,
+                "fd_flags": "O_RDONLY" if meta.get("readonly") else "O_RDWR"}
+    finally:
+        os.close(fd)
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    if args.action == "inspect":
+        return inspect(args.target)
+    address, _ = grpc_address(args.endpoint)
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return _call(args, channel)
+        except grpc.RpcError as exc:
+            raise ClientError(f"{exc.code().name}: {exc.details()}") from None
+
+
+def _call(args: argparse.Namespace, channel: grpc.Channel) -> dict | None:
+    ctl = csi_pb2_grpc.ControllerStub(channel)
+    node = csi_pb2_grpc.NodeStub(channel)
+    t = args.timeout
+    if args.action == "create":
+        rng = csi_pb2.CapacityRange(required_bytes=parse_quantity(args.size),
+                                    limit_bytes=parse_quantity(args.limit))
+        resp = ctl.CreateVolume(csi_pb2.CreateVolumeRequest(
+            name=args.name, capacity_range=rng, volume_capabilities=[_cap()],
+            parameters=_params(args.param)), timeout=t)
+        return _dict(resp.volume)
+    if args.action == "list":
+        entries, token = [], ""
+        while True:
+            resp = ctl.ListVolumes(csi_pb2.ListVolumesRequest(starting_token=token), timeout=t)
+            entries += [_dict(e) for e in resp.entries]
+            token = resp.next_token
+            if not token:
+                return {"entries": entries}
+    if args.action == "delete":
+        ctl.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=args.volume_id), timeout=t)
+        return {"deleted": args.volume_id}
+    if args.action == "publish":
+        ctx = {"csi.storage.k8s.io/pod.uid": args.pod_uid} if args.pod_uid else {}
+        node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
+            volume_id=args.volume_id, target_path=os.path.abspath(args.target),
+            volume_capability=_cap(args.readonly), readonly=args.readonly,
+            volume_context=ctx), timeout=t)
+        return {"published": args.volume_id, "target": os.path.abspath(args.target)}
+    if args.action == "unpublish":
+        node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
+            volume_id=args.volume_id, target_path=os.path.abspath(args.target)), timeout=t)
+        return {"unpublished": args.volume_id}
+    if args.action == "capacity":
+        resp = ctl.GetCapacity(csi_pb2.GetCapacityRequest(parameters=_params(args.param),
+                                                          volume_capabilities=[_cap()]),
+                               timeout=t)
+        return _dict(resp)
+    if args.action == "stats":
+        return _dict(node.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(
+            volume_id=args.volume_id, volume_path=os.path.abspath(args.target)), timeout=t))
+    if args.action == "info":
+        ident = csi_pb2_grpc.IdentityStub(channel)
+        return {"plugin": _dict(ident.GetPluginInfo(csi_pb2.GetPluginInfoRequest(), timeout=t)),
+                "probe": _dict(ident.Probe(csi_pb2.ProbeRequest(), timeout=t)),
+                "node": _dict(node.NodeGetInfo(csi_pb2.NodeGetInfoRequest(), timeout=t))}
+    raise ClientError(f"unknown action {args.action}")  # pragma: no cover - argparse guards

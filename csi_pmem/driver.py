@@ -1,0 +1,544 @@
+"""The driver core: volume life cycle, publication and start-up reconciliation.
+
+Why separate from the servicers: gRPC servicers validate requests and translate
+results; everything that touches the back end, the state store, mounts and the dax
+sockets lives here, behind plain Python calls that the CLI, the tests and the
+servicers share. Every mutating operation follows the same discipline:
+
+1. take the volume's in-flight slot (a concurrent call gets ABORTED),
+2. write the intent to the volume's record (so a crash leaves something to finish),
+3. act (under the node-wide lock for namespace create/destroy),
+4. write the outcome.
+
+Start-up (:meth:`Driver.reconcile`) reads every record and every namespace and brings
+them together: half-created volumes are rolled back, half-deleted ones are finished,
+published volumes get their sockets served again, and namespaces that look like ours
+but have no record are reported, never destroyed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable
+
+from csi_pmem import failpoints, mounts
+from csi_pmem.backends.base import Backend, Namespace, Pool
+from csi_pmem.daxsock import DaxSocketServer
+from csi_pmem.erase import zero_fd
+from csi_pmem.errors import (AlreadyExists, BackendError, FailedPrecondition, InvalidArgument,
+                             NotFound, OutOfRange, ResourceExhausted, Unavailable)
+from csi_pmem.locks import InFlight
+from csi_pmem.params import VolumeParams
+from csi_pmem.sizes import allocation_for, allocation_step, devdax_usable, format_bytes, round_down
+from csi_pmem.state import (CREATING, DELETING, PUBLISHED, PUBLISHING, READY, UNPUBLISHING,
+                            Publication, StateStore, VolumeRecord)
+
+log = logging.getLogger(__name__)
+
+VOLUME_ID_PREFIX = "pmem-"
+METADATA_FILE = "volume.json"
+SOCKET_FILE = "dax.sock"
+MAX_NAME_BYTES = 128
+
+
+def volume_id_for(name: str) -> str:
+    """Deterministic id (37 chars, a valid namespace alt-name) for a CSI volume name."""
+    return VOLUME_ID_PREFIX + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def is_volume_id(text: str) -> bool:
+    rest = text[len(VOLUME_ID_PREFIX):]
+    return (text.startswith(VOLUME_ID_PREFIX) and len(rest) == 32
+            and all(c in "0123456789abcdef" for c in rest))
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    driver_name: str
+    node_id: str
+    kubelet_dir: str
+    erase_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class Capacity:
+    available: int
+    maximum_volume_size: int
+    total: int
+
+
+@dataclass(frozen=True)
+class VolumeCondition:
+    abnormal: bool
+    message: str
+
+
+class Driver:
+    """Owns the back end, the state store, the dax socket server and the locks."""
+
+    def __init__(self, config: DriverConfig, backend: Backend, store: StateStore,
+                 dax: DaxSocketServer, on_erase: Callable[[int, float], None] | None = None):
+        self.config = config
+        self.backend = backend
+        self.store = store
+        self.dax = dax
+        self.inflight = InFlight()
+        self.node_lock = threading.Lock()
+        self.on_erase = on_erase or (lambda nbytes, seconds: None)
+        self.orphans: list[str] = []
+        self._kubelet_real = os.path.realpath(config.kubelet_dir)
+
+    # ------------------------------------------------------------------ capacity
+    def capacity(self, params: VolumeParams) -> Capacity:
+        """Free space as usable bytes, so the scheduler compares like with like."""
+        pools = self._pools_for(params)
+        available = sum(self._usable_in(p.free, p, params.align) for p in pools)
+        largest = max((self._usable_in(p.largest_extent, p, params.align) for p in pools),
+                      default=0)
+        total = sum(p.size for p in pools)
+        return Capacity(available=available, maximum_volume_size=largest, total=total)
+
+    @staticmethod
+    def _usable_in(nbytes: int, pool: Pool, align: int) -> int:
+        return devdax_usable(round_down(nbytes, allocation_step(align, pool.align)), align)
+
+    def _pools_for(self, params: VolumeParams) -> list[Pool]:
+        return [p for p in self.backend.pools() if p.usable
+                and (params.numa_node is None or p.numa_node == params.numa_node)]
+
+    # ------------------------------------------------------------------ create
+    def create_volume(self, name: str, required: int, limit: int,
+                      params: VolumeParams) -> VolumeRecord:
+        if not name:
+            raise InvalidArgument("volume name is required")
+        if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise InvalidArgument(f"volume name is longer than {MAX_NAME_BYTES} bytes")
+        request = self._request_size(required, limit)
+        vid = volume_id_for(name)
+        with self.inflight.hold(vid, "CreateVolume"):
+            existing = self.store.get(vid)
+            if existing is not None and existing.state != READY:
+                self._finish_pending(existing)
+                existing = self.store.get(vid)
+            if existing is not None:
+                self._check_compatible(existing, name, required, limit, params)
+                return existing
+            return self._create(vid, name, request, required, limit, params)
+
+    @staticmethod
+    def _request_size(required: int, limit: int) -> int:
+        if required < 0 or limit < 0:
+            raise InvalidArgument("capacity_range bytes must not be negative")
+        if required == 0 and limit == 0:
+            raise InvalidArgument(
+                "capacity_range with required_bytes is required: a persistent-memory volume "
+                "is carved to size (set resources.requests.storage on the PVC)")
+        if limit and required > limit:
+            raise InvalidArgument(
+                f"capacity_range limit_bytes ({limit}) is below required_bytes ({required})")
+        return required or limit
+
+    def _create(self, vid: str, name: str, request: int, required: int, limit: int,
+                params: VolumeParams) -> VolumeRecord:
+        with self.node_lock:
+            pool, size, usable = self._choose_pool(request, limit, params)
+            record = VolumeRecord(id=vid, name=name, state=CREATING, params=params.to_dict(),
+                                  required_bytes=required, limit_bytes=limit, pool=pool.name,
+                                  numa_node=pool.numa_node, size=size, usable_size=usable,
+                                  align=params.align)
+            self.store.put(record)
+            failpoints.hit(failpoints.CREATE_AFTER_RECORD)
+            try:
+                ns = self.backend.create(vid, pool.name, size, params.align)
+            except BaseException:
+                # Nothing was handed out: drop the intent so capacity adds up again.
+                if self.backend.get(vid) is None:
+                    self.store.delete(vid)
+                raise
+        failpoints.hit(failpoints.CREATE_AFTER_NAMESPACE)
+        if not getattr(self.backend, "zeroes_new_namespaces", False):
+            self._erase(ns)  # the region may hold data of a volume deleted without erase
+        record = replace(record, state=READY, size=ns.size, usable_size=ns.usable_size,
+                         device=ns.device, numa_node=ns.numa_node)
+        if ns.usable_size < required:
+            raise BackendError(
+                f"namespace {vid} offers {ns.usable_size} bytes, below the {required} requested")
+        self.store.put(record)
+        log.info("created volume %s (%s) in %s: %s usable, device %s", vid, name, pool.name,
+                 format_bytes(ns.usable_size), ns.device)
+        return record
+
+    def _choose_pool(self, request: int, limit: int, params: VolumeParams) -> tuple[Pool, int, int]:
+        all_pools = self.backend.pools()
+        candidates = [p for p in all_pools
+                      if params.numa_node is None or p.numa_node == params.numa_node]
+        if not candidates:
+            have = sorted({p.numa_node for p in all_pools})
+            raise ResourceExhausted(
+                f"this node ({self.config.node_id}) has no persistent memory on NUMA node "
+                f"{params.numa_node} (it has NUMA nodes {have}); the scheduler should pick "
+                "another node")
+        usable_pools = [p for p in candidates if p.usable]
+        if not usable_pools:
+            raise Unavailable("no usable region: " + "; ".join(
+                f"{p.name}: {p.problem}" for p in candidates))
+        sized = []
+        for p in usable_pools:
+            size, usable = allocation_for(request, params.align, p.align)
+            if limit and usable > limit:
+                raise OutOfRange(
+                    f"the smallest volume of at least {request} bytes with align "
+                    f"{format_bytes(params.align)} offers {usable} bytes, above limit_bytes "
+                    f"{limit}; raise the limit or use a smaller align")
+            sized.append((p, size, usable))
+        fits_ever = [s for s in sized if s[1] <= s[0].size]
+        if not fits_ever:
+            biggest = max(p.size for p in usable_pools)
+            raise OutOfRange(
+                f"a volume of {request} bytes needs {sized[0][1]} bytes of persistent memory "
+                f"(metadata and {format_bytes(params.align)} alignment included), more than "
+                f"the largest region on this node ({biggest} bytes)")
+        fits_now = [s for s in fits_ever if s[1] <= s[0].largest_extent]
+        if not fits_now:
+            free = ", ".join(f"{p.name} (NUMA {p.numa_node}): {p.largest_extent}"
+                             for p, _, _ in fits_ever)
+            raise ResourceExhausted(
+                f"not enough free persistent memory for {sized[0][1]} bytes; largest free "
+                f"extents: {free}")
+        # Most free space first keeps NUMA nodes balanced for numaNode=auto.
+        return max(fits_now, key=lambda s: (s[0].free, -s[0].numa_node))
+
+    def _check_compatible(self, rec: VolumeRecord, name: str, required: int, limit: int,
+                          params: VolumeParams) -> None:
+        want = params.to_dict()
+        have = dict(rec.params)
+        if params.numa_node is None:
+            want.pop("numaNode")
+            have.pop("numaNode", None)
+        problems = [f"{k}: existing {have.get(k)!r}, requested {v!r}"
+                    for k, v in want.items() if have.get(k) != v]
+        if rec.usable_size < required:
+            problems.append(f"size: existing {rec.usable_size} bytes, requested {required}")
+        if limit and rec.usable_size > limit:
+            problems.append(f"size: existing {rec.usable_size} bytes exceeds limit {limit}")
+        if problems:
+            raise AlreadyExists(
+                f"volume {name!r} already exists with different properties ("
+                + "; ".join(problems) + "); use another name or delete it first")
+
+    # ------------------------------------------------------------------ delete
+    def delete_volume(self, vid: str) -> None:
+        if not vid:
+            raise InvalidArgument("volume_id is required")
+        if not is_volume_id(vid):
+            return  # not one of ours: nothing to delete (DeleteVolume is idempotent)
+        with self.inflight.hold(vid, "DeleteVolume"):
+            rec = self.store.get(vid)
+            if rec is None:
+                if self.backend.get(vid) is not None:
+                    raise FailedPrecondition(
+                        f"namespace {vid} exists but has no state record on node "
+                        f"{self.config.node_id}; it is left alone, inspect it by hand")
+                return
+            if rec.publications:
+                raise FailedPrecondition(
+                    f"volume {vid} is still published at {', '.join(sorted(rec.publications))}; "
+                    "unpublish it (delete the pods using it) first")
+            rec.state = DELETING
+            self.store.put(rec)
+            failpoints.hit(failpoints.DELETE_AFTER_RECORD)
+            self._finish_delete(rec)
+
+    def _finish_delete(self, rec: VolumeRecord) -> None:
+        ns = self.backend.get(rec.id)
+        if ns is not None and rec.params.get("eraseOnDelete", "true") == "true":
+            self._erase(ns)
+        failpoints.hit(failpoints.DELETE_AFTER_ERASE)
+        if ns is not None:
+            with self.node_lock:
+                self.backend.destroy(rec.id)
+        failpoints.hit(failpoints.DELETE_AFTER_DESTROY)
+        self.store.delete(rec.id)
+        log.info("deleted volume %s (%s)", rec.id, rec.name)
+
+    def _erase(self, ns: Namespace) -> None:
+        fd = self.backend.open_device(ns, readonly=False)
+        try:
+            result = zero_fd(fd, ns.usable_size, threads=self.config.erase_threads)
+        finally:
+            os.close(fd)
+        self.on_erase(result.bytes, result.seconds)
+        log.info("erased %s: %s in %.3f s (%.2f GB/s, %d threads)", ns.name,
+                 format_bytes(result.bytes), result.seconds,
+                 result.bytes / max(result.seconds, 1e-9) / 1e9, result.threads)
+
+    def _finish_pending(self, rec: VolumeRecord) -> None:
+        """Complete what a crash interrupted: roll back a create, finish a delete."""
+        if rec.state == CREATING:
+            if self.backend.get(rec.id) is not None:
+                with self.node_lock:
+                    self.backend.destroy(rec.id)
+            self.store.delete(rec.id)
+            log.warning("rolled back interrupted creation of %s (%s)", rec.id, rec.name)
+        elif rec.state == DELETING:
+            self._finish_delete(rec)
+            log.warning("finished interrupted deletion of %s (%s)", rec.id, rec.name)
+
+    # ------------------------------------------------------------------ queries
+    def get(self, vid: str) -> VolumeRecord:
+        rec = self.store.get(vid) if is_volume_id(vid) else None
+        if rec is None or rec.state != READY:
+            raise NotFound(f"volume {vid!r} does not exist on node {self.config.node_id}")
+        return rec
+
+    def list_volumes(self) -> list[VolumeRecord]:
+        return [r for r in self.store.all() if r.state == READY]
+
+    def condition(self, rec: VolumeRecord) -> VolumeCondition:
+        ns = self.backend.get(rec.id)
+        if ns is None:
+            return VolumeCondition(True, f"the namespace of volume {rec.id} has disappeared")
+        if not self.backend.device_present(ns):
+            return VolumeCondition(True, f"device {ns.device} of volume {rec.id} is missing")
+        return VolumeCondition(False, f"device {ns.device} is present")
+
+    # ------------------------------------------------------------------ publish
+    def check_target(self, target: str) -> str:
+        """Refuse targets the driver does not manage; return the normalised path."""
+        if not target:
+            raise InvalidArgument("target_path is required")
+        if "\x00" in target or not os.path.isabs(target) or os.path.normpath(target) != target \
+                or target == "/":
+            raise InvalidArgument(
+                f"target_path {target!r} must be an absolute, normalised path other than /")
+        parent = os.path.realpath(os.path.dirname(target))
+        real = os.path.join(parent, os.path.basename(target))
+        if os.path.commonpath([real, self._kubelet_real]) != self._kubelet_real \
+                or real == self._kubelet_real:
+            raise InvalidArgument(
+                f"target_path {target!r} is outside the kubelet directory "
+                f"{self.config.kubelet_dir} that this driver publishes into (--kubelet-dir)")
+        return target
+
+    def publish(self, vid: str, target: str, readonly: bool, *, pod_uid: str | None = None,
+                mount_group: int | None = None, access_mode: str = "") -> None:
+        target = self.check_target(target)
+        with self.inflight.hold(vid, "NodePublishVolume"):
+            rec = self.get(vid)
+            pub = rec.publications.get(target)
+            current = mounts.find(target)
+            if pub is not None and pub.state == PUBLISHED and current is not None \
+                    and current.source == mounts.source_for(vid):
+                if pub.readonly != readonly or pub.mount_group != mount_group:
+                    raise AlreadyExists(
+                        f"volume {vid} is already published at {target} with readonly="
+                        f"{pub.readonly}; unpublish it before publishing with other options")
+                self._serve(rec, pub)  # idempotent; also heals a socket that went away
+                return
+            self._check_target_free(vid, target, current)
+            if access_mode == "SINGLE_NODE_SINGLE_WRITER" and not readonly:
+                writers = [t for t, p in rec.publications.items() if not p.readonly and t != target]
+                if writers:
+                    raise FailedPrecondition(
+                        f"volume {vid} is SINGLE_NODE_SINGLE_WRITER and already published "
+                        f"writable at {writers[0]}")
+            pub = Publication(target=target, readonly=readonly, state=PUBLISHING,
+                              pod_uid=pod_uid, mount_group=mount_group, access_mode=access_mode)
+            rec.publications[target] = pub
+            self.store.put(rec)
+            failpoints.hit(failpoints.PUBLISH_AFTER_RECORD)
+            try:
+                os.makedirs(target, mode=0o750, exist_ok=True)
+                if current is None:
+                    mounts.mount_tmpfs(target, vid)
+                failpoints.hit(failpoints.PUBLISH_AFTER_MOUNT)
+                self._populate(rec, pub)
+            except BaseException:
+                self._undo_publish(rec, target)
+                raise
+            failpoints.hit(failpoints.PUBLISH_AFTER_SOCKET)
+            pub.state = PUBLISHED
+            self.store.put(rec)
+            log.info("published %s at %s (readonly=%s, pod %s)", vid, target, readonly,
+                     pod_uid or "-")
+
+    def _check_target_free(self, vid: str, target: str, current: mounts.MountInfo | None) -> None:
+        if current is not None:
+            if current.source == mounts.source_for(vid):
+                return  # our own half-finished publish: reuse the mount
+            if current.source.startswith(mounts.SOURCE_PREFIX):
+                raise AlreadyExists(
+                    f"target {target} already holds another volume "
+                    f"({current.source[len(mounts.SOURCE_PREFIX):]})")
+            raise FailedPrecondition(
+                f"target {target} is already a mount point ({current.fstype} from "
+                f"{current.source}); refusing to mount over it")
+        if os.path.lexists(target):
+            if not os.path.isdir(target) or os.path.islink(target):
+                raise FailedPrecondition(f"target {target} exists and is not a directory")
+            if not mounts.is_dir_empty(target):
+                raise FailedPrecondition(
+                    f"target {target} is a non-empty directory; mounting over it would hide "
+                    "its contents")
+
+    def _metadata(self, rec: VolumeRecord, pub: Publication) -> dict:
+        return {"volume_id": rec.id, "device": rec.device, "numa_node": rec.numa_node,
+                "size": rec.size, "usable_size": rec.usable_size, "align": rec.align,
+                "readonly": pub.readonly, "driver": self.config.driver_name,
+                "socket": SOCKET_FILE}
+
+    def _populate(self, rec: VolumeRecord, pub: Publication) -> None:
+        """Write volume.json and serve dax.sock in the target's tmpfs, then seal it."""
+        target = pub.target
+        current = mounts.find(target)
+        if current is not None and current.readonly:
+            mounts.remount(target, readonly=False)
+        meta_path = os.path.join(target, METADATA_FILE)
+        with open(meta_path, "w") as f:
+            json.dump(self._metadata(rec, pub), f, indent=1)
+            f.write("\n")
+        os.chmod(meta_path, 0o644)
+        os.chmod(target, 0o755)
+        self._serve(rec, pub)
+        mounts.remount(target, readonly=True)
+
+    def _serve(self, rec: VolumeRecord, pub: Publication) -> None:
+        ns = self.backend.get(rec.id)
+        if ns is None:
+            raise FailedPrecondition(f"the device of volume {rec.id} has disappeared")
+        readonly = pub.readonly
+        sock = os.path.join(pub.target, SOCKET_FILE)
+        if sock in self.dax.paths() and mounts.find(pub.target) is not None \
+                and os.path.exists(sock):
+            return
+        current = mounts.find(pub.target)
+        sealed = current is not None and current.readonly
+        if sealed:
+            mounts.remount(pub.target, readonly=False)
+        mode, gid = (0o660, pub.mount_group) if pub.mount_group is not None else (0o666, None)
+        self.dax.serve(sock, self._metadata(rec, pub),
+                       lambda: self.backend.open_device(ns, readonly),
+                       pod_uid=pub.pod_uid, mode=mode, gid=gid)
+        if sealed:
+            mounts.remount(pub.target, readonly=True)
+
+    def _stop_and_umount(self, vid: str, target: str) -> None:
+        current = mounts.find(target)
+        ours = current is not None and current.source == mounts.source_for(vid)
+        if ours and current.readonly:
+            mounts.remount(target, readonly=False)  # so the socket file can be removed
+        self.dax.stop(os.path.join(target, SOCKET_FILE))
+        if ours:
+            mounts.umount(target)
+
+    def _undo_publish(self, rec: VolumeRecord, target: str) -> None:
+        self._stop_and_umount(rec.id, target)
+        try:
+            os.rmdir(target)
+        except OSError:
+            pass
+        rec.publications.pop(target, None)
+        self.store.put(rec)
+
+    def unpublish(self, vid: str, target: str) -> None:
+        if not target:
+            raise InvalidArgument("target_path is required")
+        with self.inflight.hold(vid, "NodeUnpublishVolume"):
+            rec = self.get(vid)
+            pub = rec.publications.get(target)
+            current = mounts.find(target) if os.path.isabs(target) else None
+            ours = current is not None and current.source == mounts.source_for(vid)
+            if pub is None and not ours:
+                return  # unknown target: nothing to do (idempotent)
+            if pub is not None:
+                pub.state = UNPUBLISHING
+                self.store.put(rec)
+            self._finish_unpublish(rec, target)
+
+    def _finish_unpublish(self, rec: VolumeRecord, target: str) -> None:
+        self._stop_and_umount(rec.id, target)
+        failpoints.hit(failpoints.UNPUBLISH_AFTER_UMOUNT)
+        try:
+            os.rmdir(target)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("left target %s in place: %s", target, exc.strerror)
+        rec.publications.pop(target, None)
+        self.store.put(rec)
+        log.info("unpublished %s from %s", rec.id, target)
+
+    def publication(self, vid: str, path: str) -> tuple[VolumeRecord, Publication]:
+        rec = self.get(vid)
+        pub = rec.publications.get(path)
+        if pub is None or pub.state != PUBLISHED:
+            raise NotFound(f"volume {vid} is not published at {path!r} on this node")
+        return rec, pub
+
+    # ------------------------------------------------------------------ start-up
+    def reconcile(self) -> None:
+        """Bring records, namespaces and mounts together after a start or a crash."""
+        namespaces = {ns.name: ns for ns in self.backend.namespaces()}
+        for rec in self.store.all():
+            ns = namespaces.pop(rec.id, None)
+            try:
+                if rec.state != READY:
+                    self._finish_pending(rec)
+                    continue
+                if ns is None:
+                    log.error("volume %s (%s) has a record but no namespace: reported as "
+                              "abnormal, record kept", rec.id, rec.name)
+                    continue
+                if ns.device != rec.device:
+                    log.info("volume %s moved from %s to %s", rec.id, rec.device, ns.device)
+                    rec.device = ns.device
+                    self.store.put(rec)
+                self._reconcile_publications(rec)
+            except Exception:
+                log.exception("could not reconcile volume %s; it is left as it is", rec.id)
+        self.orphans = sorted(n for n in namespaces if is_volume_id(n))
+        for name in self.orphans:
+            log.warning("namespace %s looks like a csi-pmem volume but has no record on this "
+                        "node; it is not touched (delete it by hand if it is not needed)", name)
+
+    def _reconcile_publications(self, rec: VolumeRecord) -> None:
+        for target, pub in list(rec.publications.items()):
+            current = mounts.find(target)
+            ours = current is not None and current.source == mounts.source_for(rec.id)
+            if pub.state == UNPUBLISHING or (pub.state == PUBLISHING and not ours):
+                self._finish_unpublish(rec, target)
+            elif not ours:
+                log.warning("publication of %s at %s lost its mount (node reboot?); "
+                            "dropped, kubelet publishes again", rec.id, target)
+                rec.publications.pop(target)
+                self.store.put(rec)
+            else:
+                self._populate(rec, pub) if pub.state == PUBLISHING else self._serve(rec, pub)
+                if pub.state == PUBLISHING:
+                    pub.state = PUBLISHED
+                    self.store.put(rec)
+                log.info("serving %s again at %s", rec.id, target)
+
+    def published_targets(self) -> Iterable[str]:
+        for rec in self.store.all():
+            yield from rec.publications
+
+    def close(self) -> None:
+        self.dax.close()
+        self.backend.close()
+
+
+def describe(rec: VolumeRecord) -> dict:
+    """The volume_context handed to the CO (and back to NodePublishVolume)."""
+    return {"deviceMode": rec.params.get("deviceMode", "devdax"),
+            "numaNode": str(rec.numa_node), "align": format_bytes(rec.align),
+            "usableSize": str(rec.usable_size), "device": rec.device, "pool": rec.pool}
+
+
+__all__ = ["Driver", "DriverConfig", "Capacity", "VolumeCondition", "describe",
+           "volume_id_for", "is_volume_id"]

@@ -1,0 +1,88 @@
+"""Domain exceptions and the one table that maps them to gRPC status codes.
+
+Why one table: servicers must never invent codes ad hoc, and an unexpected exception
+must never surface as UNKNOWN with a traceback as the message. Everything the driver
+raises on purpose is a subclass of :class:`CsiPmemError`; anything else is a bug and
+becomes INTERNAL with a short, safe message (the traceback goes to the log).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class CsiPmemError(Exception):
+    """Base of every error the driver raises on purpose. ``str(e)`` is shown to users."""
+
+
+class InvalidArgument(CsiPmemError):
+    """The request is malformed: the caller must change it."""
+
+
+class NotFound(CsiPmemError):
+    """The named volume (or other object) does not exist."""
+
+
+class OutOfRange(CsiPmemError):
+    """A size that no pool on this node could ever satisfy."""
+
+
+class AlreadyExists(CsiPmemError):
+    """An object with this name exists but is incompatible with the request."""
+
+
+class ResourceExhausted(CsiPmemError):
+    """Not enough free space (or label slots) now; another node or later may work."""
+
+
+class FailedPrecondition(CsiPmemError):
+    """The request is valid but the object is in a state that forbids it."""
+
+
+class Aborted(CsiPmemError):
+    """Another operation on the same volume is in flight; retry later."""
+
+
+class Unavailable(CsiPmemError):
+    """The back end cannot be used right now (e.g. label-less or misaligned regions)."""
+
+
+class BackendError(CsiPmemError):
+    """A back-end operation failed unexpectedly (ndctl error, I/O error)."""
+
+
+class CommandError(BackendError):
+    """An external command failed or timed out; carries argv, exit code and stderr."""
+
+    def __init__(self, argv: list[str], returncode: int | None, stderr: str, message: str = ""):
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stderr = stderr
+        detail = message or (
+            "timed out" if returncode is None else f"exited with status {returncode}")
+        tail = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+        super().__init__(f"{' '.join(argv[:3])} {detail}" + (f": {tail}" if tail else ""))
+
+
+# The one table. Order does not matter: lookup walks the exception's MRO.
+STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    Aborted: grpc.StatusCode.ABORTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    BackendError: grpc.StatusCode.INTERNAL,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Return the gRPC code and user-facing message for ``exc`` (INTERNAL by default)."""
+    for klass in type(exc).__mro__:
+        code = STATUS_CODES.get(klass)
+        if code is not None:
+            return code, str(exc) or klass.__name__
+    return grpc.StatusCode.INTERNAL, (
+        f"internal error ({type(exc).__name__}); see the driver log for details")

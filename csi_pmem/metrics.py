@@ -1,0 +1,81 @@
+"""Prometheus metrics: CSI operation latency, pool capacity, erase work, dax sockets.
+
+Why a collector for pools: capacity must be read at scrape time from the back end
+(the device is the truth), not cached in gauges that drift. Each driver instance owns
+its registry so several drivers can live in one test process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from csi_pmem.backends.base import Backend
+
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class PoolCollector:
+    def __init__(self, backend: Backend, orphans) -> None:
+        self.backend = backend
+        self.orphans = orphans
+
+    def collect(self):
+        labels = ["pool", "numa_node"]
+        cap = GaugeMetricFamily("csi_pmem_pool_capacity_bytes", "Size of the region", labels=labels)
+        free = GaugeMetricFamily("csi_pmem_pool_free_bytes", "Free bytes in the region",
+                                 labels=labels)
+        vols = GaugeMetricFamily("csi_pmem_pool_volumes", "Namespaces in the region",
+                                 labels=labels)
+        usable = GaugeMetricFamily(
+            "csi_pmem_pool_usable", "1 when volumes can be carved from the region, 0 when it is "
+            "label-less, misaligned or otherwise unusable (see the driver log)",
+            labels=labels + ["problem"])
+        try:
+            pools = self.backend.pools()
+            namespaces = self.backend.namespaces()
+        except Exception:  # a scrape must not fail because ndctl did
+            pools, namespaces = [], []
+        for p in pools:
+            lv = [p.name, str(p.numa_node)]
+            cap.add_metric(lv, p.size)
+            free.add_metric(lv, p.free)
+            vols.add_metric(lv, sum(1 for n in namespaces if n.pool == p.name))
+            usable.add_metric(lv + [p.problem or ""], 0 if p.problem else 1)
+        orphans = GaugeMetricFamily("csi_pmem_orphan_namespaces",
+                                    "Namespaces named like volumes but without a state record")
+        orphans.add_metric([], len(self.orphans()))
+        yield from (cap, free, vols, usable, orphans)
+
+
+class Metrics:
+    def __init__(self, driver_name: str) -> None:
+        self.driver_name = driver_name
+        self.registry = CollectorRegistry()
+        self.operations = Histogram(
+            "csi_plugin_operations_seconds", "Duration of CSI operations",
+            ["driver_name", "method_name", "grpc_status_code"], buckets=BUCKETS,
+            registry=self.registry)
+        self.erase_bytes = Counter("csi_pmem_erase_bytes", "Bytes zeroed before release",
+                                   registry=self.registry)
+        self.erase_seconds = Counter("csi_pmem_erase_seconds", "Seconds spent zeroing",
+                                     registry=self.registry)
+        self.dax_connections = Counter(
+            "csi_pmem_dax_socket_connections", "Connections to dax.sock by result",
+            ["result"], registry=self.registry)
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self.operations.labels(self.driver_name, method, code).observe(seconds)
+
+    def observe_erase(self, nbytes: int, seconds: float) -> None:
+        self.erase_bytes.inc(nbytes)
+        self.erase_seconds.inc(seconds)
+
+    def watch_pools(self, backend: Backend, orphans) -> None:
+        self.registry.register(PoolCollector(backend, orphans))
+
+    def serve(self, address: str):
+        host, _, port = address.rpartition(":")
+        server, thread = start_http_server(int(port), addr=host or "0.0.0.0",
+                                           registry=self.registry)
+        return server

@@ -1,0 +1,93 @@
+"""The tmpfs mounts that carry a published devdax volume, and reading mountinfo.
+
+Why: a devdax character device cannot be a Block volume (DESIGN.md 1.1), so a
+published volume is a tiny tmpfs at the pod's target path holding ``volume.json`` and
+``dax.sock``. The mount source is ``csi-pmem:<volume id>``, which is how the driver
+recognises its own mounts after a restart (mountinfo is the truth about mounts, the
+state record only says what was intended). The tmpfs is remounted read-only once
+populated so nothing in the pod can replace the socket or the metadata.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from csi_pmem import runner
+
+SOURCE_PREFIX = "csi-pmem:"
+TMPFS_SIZE = "1m"
+TIMEOUT = 30
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    mount_point: str
+    fstype: str
+    source: str
+    options: frozenset[str]
+
+    @property
+    def readonly(self) -> bool:
+        return "ro" in self.options
+
+
+def _unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal (\\040 ...)."""
+    out, i = [], 0
+    while i < len(field):
+        code = field[i + 1:i + 4]
+        if field[i] == "\\" and len(code) == 3 and code.isdigit():
+            out.append(chr(int(code, 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mountinfo(path: str = "/proc/self/mountinfo") -> list[MountInfo]:
+    mounts = []
+    with open(path) as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) < 6 or len(rfields) < 2:
+                continue
+            opts = set(fields[5].split(",")) | set(rfields[2].split(",") if len(rfields) > 2
+                                                  else [])
+            mounts.append(MountInfo(_unescape(fields[4]), rfields[0], _unescape(rfields[1]),
+                                    frozenset(opts)))
+    return mounts
+
+
+def find(target: str) -> MountInfo | None:
+    """The top-most mount at ``target`` (the last one listed wins), or None."""
+    found = None
+    for m in mountinfo():
+        if m.mount_point == target:
+            found = m
+    return found
+
+
+def source_for(volume_id: str) -> str:
+    return f"{SOURCE_PREFIX}{volume_id}"
+
+
+def mount_tmpfs(target: str, volume_id: str) -> None:
+    runner.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE},mode=0755,nosuid,nodev,noexec",
+                source_for(volume_id), target], timeout=TIMEOUT)
+
+
+def remount(target: str, readonly: bool) -> None:
+    mode = "ro" if readonly else "rw"
+    runner.run(["mount", "-o", f"remount,{mode}", target], timeout=TIMEOUT)
+
+
+def umount(target: str) -> None:
+    runner.run(["umount", target], timeout=TIMEOUT)
+
+
+def is_dir_empty(path: str) -> bool:
+    with os.scandir(path) as it:
+        return next(it, None) is None

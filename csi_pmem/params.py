@@ -1,0 +1,94 @@
+"""StorageClass parameters: the one place that knows their names, values and defaults.
+
+Why a module: CreateVolume, GetCapacity and ValidateVolumeCapabilities all receive the
+same parameter map and must agree on what it means. Unknown keys are refused (a typo
+in a StorageClass should fail loudly, not silently give a default), except keys with
+the ``csi.storage.k8s.io/`` prefix that external-provisioner adds (PVC name and
+namespace), which are kept for labels and logs only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from csi_pmem.errors import InvalidArgument
+from csi_pmem.sizes import DEVDAX_ALIGNS, format_bytes
+
+DEVICE_MODE = "deviceMode"
+NUMA_NODE = "numaNode"
+ALIGN = "align"
+ERASE_ON_DELETE = "eraseOnDelete"
+VALID_KEYS = (DEVICE_MODE, NUMA_NODE, ALIGN, ERASE_ON_DELETE)
+CO_PREFIX = "csi.storage.k8s.io/"
+_TRUE = {"true", "yes", "1", "on"}
+_FALSE = {"false", "no", "0", "off"}
+
+
+@dataclass(frozen=True)
+class VolumeParams:
+    """Resolved parameters of one volume or StorageClass."""
+
+    device_mode: str = "devdax"
+    numa_node: int | None = None  # None means "auto": the driver picks the pool
+    align: int = DEVDAX_ALIGNS["2Mi"]
+    erase_on_delete: bool = True
+    co_labels: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict:
+        return {
+            DEVICE_MODE: self.device_mode,
+            NUMA_NODE: "auto" if self.numa_node is None else str(self.numa_node),
+            ALIGN: format_bytes(self.align),
+            ERASE_ON_DELETE: "true" if self.erase_on_delete else "false",
+        }
+
+
+def parse(parameters: Mapping[str, str]) -> VolumeParams:
+    """Validate a StorageClass parameter map; raise InvalidArgument naming the fix."""
+    unknown = sorted(k for k in parameters if k not in VALID_KEYS and not k.startswith(CO_PREFIX))
+    if unknown:
+        raise InvalidArgument(
+            f"unknown StorageClass parameter(s) {', '.join(map(repr, unknown))}; "
+            f"valid parameters are {', '.join(VALID_KEYS)}")
+    mode = parameters.get(DEVICE_MODE, "devdax")
+    if mode == "fsdax":
+        raise InvalidArgument(
+            "deviceMode 'fsdax' is not supported by this driver version yet; "
+            "use deviceMode: devdax (the default)")
+    if mode != "devdax":
+        raise InvalidArgument(f"invalid deviceMode {mode!r}; valid value: devdax")
+    return VolumeParams(
+        device_mode=mode,
+        numa_node=_numa(parameters.get(NUMA_NODE, "auto")),
+        align=_align(parameters.get(ALIGN, "2Mi")),
+        erase_on_delete=_bool(ERASE_ON_DELETE, parameters.get(ERASE_ON_DELETE, "true")),
+        co_labels={k: v for k, v in parameters.items() if k.startswith(CO_PREFIX)},
+    )
+
+
+def _numa(value: str) -> int | None:
+    text = str(value).strip()
+    if text.lower() == "auto":
+        return None
+    if not text.isdecimal() or not text.isascii() or len(text) > 4:
+        raise InvalidArgument(
+            f"invalid numaNode {value!r}: use 'auto' or a non-negative integer such as \"0\"")
+    return int(text)
+
+
+def _align(value: str) -> int:
+    text = str(value).strip()
+    if text not in DEVDAX_ALIGNS:
+        raise InvalidArgument(
+            f"invalid align {value!r}: devdax volumes support {' or '.join(DEVDAX_ALIGNS)}")
+    return DEVDAX_ALIGNS[text]
+
+
+def _bool(key: str, value: str) -> bool:
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise InvalidArgument(f"invalid {key} {value!r}: use \"true\" or \"false\"")

@@ -1,0 +1,129 @@
+"""Assemble and run the driver: back end, state, reconcile, gRPC, metrics, device watch.
+
+One process serves Identity, Controller and Node: provisioning is node-local
+(external-provisioner runs in the node DaemonSet), so there is no separate controller
+deployment to keep in step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from csi_pmem.backends.base import Backend
+from csi_pmem.config import ServeConfig, grpc_address
+from csi_pmem.csi import csi_pb2_grpc
+from csi_pmem.daxsock import DaxSocketServer
+from csi_pmem.driver import Driver, DriverConfig
+from csi_pmem.metrics import Metrics
+from csi_pmem.servicers import rpc as rpc_module
+from csi_pmem.servicers.controller import ControllerServicer
+from csi_pmem.servicers.identity import IdentityServicer
+from csi_pmem.servicers.node import NodeServicer
+from csi_pmem.state import StateStore
+
+log = logging.getLogger(__name__)
+
+
+def make_backend(cfg: ServeConfig) -> Backend:
+    if cfg.backend == "ndctl":
+        from csi_pmem.backends.ndctl import NdctlBackend
+
+        return NdctlBackend(ndctl=cfg.ndctl)
+    from csi_pmem.backends.emulated import EmulatedBackend, parse_regions
+
+    return EmulatedBackend(cfg.emulated_root, parse_regions(cfg.emulated_regions),
+                           device_type=cfg.emulated_device)
+
+
+def worker_count(cfg: ServeConfig) -> int:
+    # Calls block on ndctl, erase and fsync, not on CPU: a few threads per core, with a
+    # floor so 16 concurrent CreateVolume calls are all answered (most with ABORTED).
+    return cfg.grpc_workers or max(16, 4 * (os.cpu_count() or 1))
+
+
+class Server:
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics(cfg.driver_name)
+        self.backend = make_backend(cfg)
+        os.makedirs(cfg.state_dir, exist_ok=True)
+        self.dax = DaxSocketServer(on_event=lambda kind, path:
+                                   self.metrics.dax_connections.labels(kind).inc())
+        self.driver = Driver(
+            DriverConfig(driver_name=cfg.driver_name, node_id=cfg.node_id,
+                         kubelet_dir=cfg.kubelet_dir, erase_threads=cfg.erase_threads or None),
+            self.backend, StateStore(cfg.state_dir), self.dax,
+            on_erase=self.metrics.observe_erase)
+        self.metrics.watch_pools(self.backend, lambda: self.driver.orphans)
+        rpc_module.observers.append(self.metrics.observe_rpc)
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=worker_count(cfg),
+                                                           thread_name_prefix="csi"))
+        csi_pb2_grpc.add_IdentityServicer_to_server(
+            IdentityServicer(cfg.driver_name, self.backend.probe), self.grpc)
+        csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self.driver), self.grpc)
+        csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self.driver), self.grpc)
+        self.watcher = None
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        started = time.monotonic()
+        self.driver.reconcile()
+        address, path = grpc_address(self.cfg.endpoint)
+        if path:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if os.path.exists(path):
+                os.unlink(path)  # a stale socket from a previous run
+        self.grpc.add_insecure_port(address)
+        self.grpc.start()
+        if self.cfg.metrics_address:
+            self.metrics.serve(self.cfg.metrics_address)
+        if self.cfg.backend == "ndctl":
+            self._start_watcher()
+        ok, reason = self.backend.probe()
+        log.info("csi-pmem %s serving %s on %s (node %s, back end %s, %s) in %.2f s",
+                 self.cfg.driver_name, "Identity/Controller/Node", self.cfg.endpoint,
+                 self.cfg.node_id, self.cfg.backend, "ready" if ok else f"NOT READY: {reason}",
+                 time.monotonic() - started)
+
+    def _start_watcher(self) -> None:
+        from csi_pmem.udev import DeviceWatcher
+
+        def changed(action: str, device: str) -> None:
+            for rec in self.driver.list_volumes():
+                cond = self.driver.condition(rec)
+                if cond.abnormal:
+                    log.error("volume %s: %s", rec.id, cond.message)
+
+        self.watcher = DeviceWatcher(changed, poll_interval=self.cfg.device_poll_seconds)
+        self.watcher.start()
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.grpc.stop(grace).wait()
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.driver.close()
+        rpc_module.observers[:] = [o for o in rpc_module.observers
+                                   if o != self.metrics.observe_rpc]
+
+
+def serve(cfg: ServeConfig) -> int:
+    server = Server(cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
+    server.start()
+    server.wait()
+    log.info("stopped; published volumes stay mounted and are served again on restart")
+    return 0

@@ -1,0 +1,1 @@
+"""gRPC servicers: one module per CSI service. They validate, lock, delegate, translate."""

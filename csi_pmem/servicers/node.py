@@ -1,0 +1,81 @@
+"""CSI Node service: publish a devdax volume as a tmpfs with volume.json and dax.sock.
+
+No NodeStage: there is nothing to share between the pods of one node that a per-target
+tmpfs does not already give, and skipping it keeps a publish self-contained.
+"""
+
+from __future__ import annotations
+
+from csi_pmem.csi import csi_pb2, csi_pb2_grpc
+from csi_pmem.driver import Driver
+from csi_pmem.errors import InvalidArgument
+from csi_pmem.servicers.capabilities import READ_ONLY_MODES, mode_name, require_valid
+from csi_pmem.servicers.rpc import rpc
+
+NCap = csi_pb2.NodeServiceCapability.RPC
+POD_UID_KEY = "csi.storage.k8s.io/pod.uid"
+
+
+class NodeServicer(csi_pb2_grpc.NodeServicer):
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+
+    @rpc
+    def NodeGetInfo(self, request, context):
+        cfg = self.driver.config
+        return csi_pb2.NodeGetInfoResponse(
+            node_id=cfg.node_id, max_volumes_per_node=self.driver.backend.max_volumes(),
+            accessible_topology=csi_pb2.Topology(
+                segments={f"{cfg.driver_name}/node": cfg.node_id}))
+
+    @rpc
+    def NodeGetCapabilities(self, request, context):
+        caps = [NCap.GET_VOLUME_STATS, NCap.VOLUME_CONDITION, NCap.VOLUME_MOUNT_GROUP]
+        return csi_pb2.NodeGetCapabilitiesResponse(capabilities=[
+            csi_pb2.NodeServiceCapability(rpc=NCap(type=t)) for t in caps])
+
+    @rpc
+    def NodePublishVolume(self, request, context):
+        if not request.volume_id:
+            raise InvalidArgument("volume_id is required")
+        if not request.target_path:
+            raise InvalidArgument("target_path is required")
+        if not request.HasField("volume_capability"):
+            raise InvalidArgument("volume_capability is required")
+        require_valid([request.volume_capability])
+        cap = request.volume_capability
+        readonly = request.readonly or cap.access_mode.mode in READ_ONLY_MODES
+        group = cap.mount.volume_mount_group
+        if group and not group.isdecimal():
+            raise InvalidArgument(f"volume_mount_group {group!r} must be a numeric group id")
+        self.driver.publish(request.volume_id, request.target_path, readonly,
+                            pod_uid=request.volume_context.get(POD_UID_KEY) or None,
+                            mount_group=int(group) if group else None,
+                            access_mode=mode_name(cap))
+        return csi_pb2.NodePublishVolumeResponse()
+
+    @rpc
+    def NodeUnpublishVolume(self, request, context):
+        if not request.volume_id:
+            raise InvalidArgument("volume_id is required")
+        if not request.target_path:
+            raise InvalidArgument("target_path is required")
+        self.driver.unpublish(request.volume_id, request.target_path)
+        return csi_pb2.NodeUnpublishVolumeResponse()
+
+    @rpc
+    def NodeGetVolumeStats(self, request, context):
+        if not request.volume_id:
+            raise InvalidArgument("volume_id is required")
+        if not request.volume_path:
+            raise InvalidArgument("volume_path is required")
+        rec, _ = self.driver.publication(request.volume_id, request.volume_path)
+        cond = self.driver.condition(rec)
+        # The driver cannot see inside a raw device: report it whole and free, so
+        # "volume filling up" alerts do not fire on every devdax volume.
+        usage = csi_pb2.VolumeUsage(unit=csi_pb2.VolumeUsage.BYTES, total=rec.usable_size,
+                                    available=rec.usable_size, used=0)
+        return csi_pb2.NodeGetVolumeStatsResponse(
+            usage=[usage],
+            volume_condition=csi_pb2.VolumeCondition(abnormal=cond.abnormal,
+                                                     message=cond.message))

@@ -1,0 +1,68 @@
+"""The wrapper every RPC runs in: timing, per-request logging, error translation.
+
+Why a decorator rather than an interceptor: it sees the servicer's method name and the
+parsed request, can strip secrets before logging, and turns every exception into a
+status through the one table in :mod:`csi_pmem.errors` — so no RPC can return
+UNKNOWN or leak a traceback to the CO.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Callable
+
+import grpc
+from google.protobuf import json_format
+
+from csi_pmem.errors import status_for
+
+log = logging.getLogger("csi_pmem.rpc")
+QUIET = {"Probe", "NodeGetCapabilities", "GetPluginInfo", "GetPluginCapabilities",
+         "ControllerGetCapabilities", "NodeGetInfo"}
+
+# Observer hook: (method, code name, seconds). Metrics register here.
+observers: list[Callable[[str, str, float], None]] = []
+
+
+def redact(request) -> dict:
+    """The request as a dict with every secrets map emptied (fields marked csi_secret)."""
+    try:
+        data = json_format.MessageToDict(request, preserving_proto_field_name=True)
+    except Exception:  # pragma: no cover - logging must never fail a call
+        return {}
+    for key in ("secrets", "controller_publish_secrets", "node_stage_secrets",
+                "node_publish_secrets"):
+        if key in data:
+            data[key] = "***stripped***"
+    return data
+
+
+def rpc(method: Callable) -> Callable:
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self, request, context: grpc.ServicerContext):
+        start = time.monotonic()
+        code = grpc.StatusCode.OK
+        message = ""
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # translated below; never escapes as UNKNOWN
+            code, message = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", name)
+        finally:
+            seconds = time.monotonic() - start
+            for observe in observers:
+                observe(name, code.name, seconds)
+            level = logging.DEBUG if name in QUIET and code == grpc.StatusCode.OK \
+                else logging.INFO
+            if log.isEnabledFor(level):
+                log.log(level, "%s -> %s%s", name, code.name, f": {message}" if message else "",
+                        extra={"rpc": name, "code": code.name, "seconds": round(seconds, 6),
+                               "request": redact(request)})
+        context.abort(code, message)
+
+    return wrapper

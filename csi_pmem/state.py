@@ -1,0 +1,120 @@
+"""Per-volume records on disk: what the device cannot remember.
+
+Why: the namespace (named with the volume id) is the truth about allocation, but the
+CSI name, the requested size, the parameters and the publish targets live nowhere on
+the device. Each volume gets one small JSON file, written *before* the driver acts
+(so a crash leaves an intent that start-up can finish or roll back) and atomically
+(temp file, fsync, rename, fsync of the directory: a crash never leaves a torn record).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Volume states. A record only stays in a transient state after a crash.
+CREATING, READY, DELETING = "creating", "ready", "deleting"
+# Publish states, per target.
+PUBLISHING, PUBLISHED, UNPUBLISHING = "publishing", "published", "unpublishing"
+
+_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+@dataclass
+class Publication:
+    target: str
+    readonly: bool
+    state: str = PUBLISHING
+    pod_uid: str | None = None
+    mount_group: int | None = None
+    access_mode: str = ""
+
+
+@dataclass
+class VolumeRecord:
+    id: str
+    name: str
+    state: str
+    params: dict
+    required_bytes: int
+    limit_bytes: int = 0
+    pool: str = ""
+    numa_node: int = -1
+    size: int = 0
+    usable_size: int = 0
+    align: int = 0
+    device: str = ""
+    created_at: float = field(default_factory=time.time)
+    publications: dict[str, Publication] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "VolumeRecord":
+        raw = json.loads(text)
+        pubs = {t: Publication(**p) for t, p in raw.pop("publications", {}).items()}
+        return cls(**raw, publications=pubs)
+
+
+class StateStore:
+    """A directory of ``<volume id>.json`` records with atomic, durable writes."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root) / "volumes"
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def path(self, volume_id: str) -> Path:
+        if not _ID.match(volume_id):
+            raise ValueError(f"not a volume id: {volume_id!r}")
+        return self.root / f"{volume_id}.json"
+
+    def get(self, volume_id: str) -> VolumeRecord | None:
+        try:
+            return VolumeRecord.from_json(self.path(volume_id).read_text())
+        except FileNotFoundError:
+            return None
+
+    def put(self, record: VolumeRecord) -> None:
+        final = self.path(record.id)
+        tmp = final.with_name(f".{final.name}.tmp")
+        data = record.to_json().encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+        self._fsync_dir()
+
+    def delete(self, volume_id: str) -> None:
+        try:
+            self.path(volume_id).unlink()
+        except FileNotFoundError:
+            return
+        self._fsync_dir()
+
+    def all(self) -> list[VolumeRecord]:
+        """Every readable record; unreadable ones are logged and skipped, never deleted."""
+        records = []
+        for p in sorted(self.root.glob("*.json")):
+            try:
+                records.append(VolumeRecord.from_json(p.read_text()))
+            except (OSError, ValueError, TypeError) as exc:
+                log.error("state record %s is unreadable and is left alone: %s", p, exc)
+        return records
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
