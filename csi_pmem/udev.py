@@ -15,6 +15,7 @@ logged and never stop the watcher.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -77,9 +78,10 @@ class DeviceWatcher:
             return
         self._stop.clear()
         monitor = self._open_monitor() if self._use_netlink else None
+        target: Callable[[], None]
         if monitor is not None:
             self.mode = "netlink"
-            target = lambda: self._netlink_loop(monitor)  # noqa: E731
+            target = functools.partial(self._netlink_loop, monitor)
             log.info("watching %s devices through netlink uevents (source %s)",
                      "/".join(self._subsystems), self._source)
         else:
@@ -106,7 +108,7 @@ class DeviceWatcher:
     def _open_monitor(self) -> _Monitor | None:
         try:
             return self._factory(self._subsystems, self._source)
-        except Exception as e:  # ImportError (no pyudev/libudev), OSError (netlink refused)
+        except (ImportError, OSError, ValueError) as e:  # no pyudev/libudev; netlink refused
             log.info("netlink uevents unavailable (%s: %s); falling back to polling",
                      type(e).__name__, e)
             return None
@@ -126,7 +128,7 @@ class DeviceWatcher:
         while not self._stop.is_set():
             try:
                 device = monitor.poll(timeout=_WAKE_INTERVAL)
-            except Exception as e:
+            except (OSError, ValueError) as e:
                 # A broken socket must not leave the driver blind: poll from now on.
                 log.warning("netlink monitor failed (%s); falling back to polling", e)
                 self.mode = "polling"

@@ -1,0 +1,43 @@
+# csi-pmem: `make run` starts the driver on the emulated default; `make test` runs all tests.
+SHELL := /bin/bash
+PY := .venv/bin/python
+RUN_DIR ?= /tmp/csi-pmem
+export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
+
+.PHONY: setup run test unit lint proto proto-check sanity bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+# The driver on its embedded default: emulated back end, two 2 GiB NUMA pools,
+# state, pools and kubelet directory under $(RUN_DIR). Publishing mounts tmpfs: run as root.
+run: setup
+	mkdir -p $(RUN_DIR)/kubelet
+	$(PY) -m csi_pmem serve --endpoint unix://$(RUN_DIR)/csi.sock \
+	  --state-dir $(RUN_DIR)/state --kubelet-dir $(RUN_DIR)/kubelet \
+	  --metrics-address 127.0.0.1:9670
+
+test: setup proto-check lint
+	$(PY) -m pytest -q -ra --durations=15 tests
+
+unit: setup
+	$(PY) -m pytest -q -ra tests
+
+lint: setup
+	.venv/bin/ruff check csi_pmem tests benchmarks scripts
+
+proto: setup
+	$(PY) scripts/gen_proto.py --write
+
+proto-check: setup
+	$(PY) scripts/gen_proto.py --check
+
+sanity: setup
+	$(PY) -m pytest -q -ra tests/test_csi_sanity.py
+
+bench: setup
+	$(PY) benchmarks/bench_driver.py
+	$(PY) benchmarks/bench_erase.py
+
+clean:
+	rm -rf .venv .pytest_cache .hypothesis build *.egg-info

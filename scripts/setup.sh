@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up everything the driver and its tests need on a fresh Debian 12 machine:
+# system packages (util-linux for mount/losetup, libudev for pyudev), a virtual
+# environment in .venv with the project and its test extras, pip's cache kept in
+# ~/.cache/pip between runs. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v losetup >/dev/null || need_apt+=(util-linux)
+command -v mount >/dev/null || need_apt+=(mount)
+ldconfig -p 2>/dev/null | grep -q 'libudev.so.1 ' || need_apt+=(libudev1)
+python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+if ((${#need_apt[@]})); then
+  if [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
+  else
+    echo "setup: missing system packages: ${need_apt[*]} (run as root or install them)" >&2
+    exit 1
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "setup: Python >= 3.11 is required ($("$PY" --version))" >&2
+  exit 1
+fi
+stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[test,dev]'
+  rm -f .venv/.installed-*
+  touch "$stamp"
+fi
+echo "setup: ready ($(.venv/bin/python --version), $(.venv/bin/python -c 'import grpc; print("grpcio", grpc.__version__)'))"

@@ -1,0 +1,38 @@
+"""StorageClass parameters: defaults, validation, and the CO-added prefix."""
+
+import pytest
+
+from csi_pmem.errors import InvalidArgument
+from csi_pmem.params import VolumeParams, parse
+from csi_pmem.sizes import GiB, MiB
+
+
+def test_defaults():
+    p = parse({})
+    assert p == VolumeParams(device_mode="devdax", numa_node=None, align=2 * MiB,
+                             erase_on_delete=True)
+    assert p.to_dict() == {"deviceMode": "devdax", "numaNode": "auto", "align": "2Mi",
+                           "eraseOnDelete": "true"}
+
+
+def test_explicit_values():
+    p = parse({"numaNode": "1", "align": "1Gi", "eraseOnDelete": "false",
+               "csi.storage.k8s.io/pvc/name": "claim"})
+    assert (p.numa_node, p.align, p.erase_on_delete) == (1, GiB, False)
+    assert p.co_labels == {"csi.storage.k8s.io/pvc/name": "claim"}
+
+
+@pytest.mark.parametrize("params,needle", [
+    ({"numa": "0"}, "valid parameters are deviceMode, numaNode, align, eraseOnDelete"),
+    ({"deviceMode": "fsdax"}, "not supported"),
+    ({"deviceMode": "raw"}, "deviceMode"),
+    ({"numaNode": "-1"}, "non-negative integer"),
+    ({"numaNode": "one"}, "non-negative integer"),
+    ({"numaNode": "١"}, "non-negative integer"),  # a non-ASCII digit
+    ({"align": "4Ki"}, "2Mi or 1Gi"),
+    ({"eraseOnDelete": "sure"}, "true"),
+])
+def test_invalid(params, needle):
+    with pytest.raises(InvalidArgument) as info:
+        parse(params)
+    assert needle in str(info.value)
