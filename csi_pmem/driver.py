@@ -23,20 +23,37 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable
 
 from csi_pmem import failpoints, mounts
 from csi_pmem.backends.base import Backend, Namespace, Pool
 from csi_pmem.daxsock import DaxSocketServer
 from csi_pmem.erase import zero_fd
-from csi_pmem.errors import (AlreadyExists, BackendError, FailedPrecondition, InvalidArgument,
-                             NotFound, OutOfRange, ResourceExhausted, Unavailable)
+from csi_pmem.errors import (
+    AlreadyExists,
+    BackendError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    Unavailable,
+)
 from csi_pmem.locks import InFlight
 from csi_pmem.params import VolumeParams
 from csi_pmem.sizes import allocation_for, allocation_step, devdax_usable, format_bytes, round_down
-from csi_pmem.state import (CREATING, DELETING, PUBLISHED, PUBLISHING, READY, UNPUBLISHING,
-                            Publication, StateStore, VolumeRecord)
+from csi_pmem.state import (
+    CREATING,
+    DELETING,
+    PUBLISHED,
+    PUBLISHING,
+    READY,
+    UNPUBLISHING,
+    Publication,
+    StateStore,
+    VolumeRecord,
+)
 
 log = logging.getLogger(__name__)
 
@@ -540,5 +557,12 @@ def describe(rec: VolumeRecord) -> dict:
             "usableSize": str(rec.usable_size), "device": rec.device, "pool": rec.pool}
 
 
-__all__ = ["Driver", "DriverConfig", "Capacity", "VolumeCondition", "describe",
-           "volume_id_for", "is_volume_id"]
+__all__ = [
+    "Capacity",
+    "Driver",
+    "DriverConfig",
+    "VolumeCondition",
+    "describe",
+    "is_volume_id",
+    "volume_id_for",
+]

@@ -10,8 +10,8 @@ under one lock.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from csi_pmem.errors import Aborted
 

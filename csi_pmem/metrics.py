@@ -30,7 +30,7 @@ class PoolCollector:
         usable = GaugeMetricFamily(
             "csi_pmem_pool_usable", "1 when volumes can be carved from the region, 0 when it is "
             "label-less, misaligned or otherwise unusable (see the driver log)",
-            labels=labels + ["problem"])
+            labels=[*labels, "problem"])
         try:
             pools = self.backend.pools()
             namespaces = self.backend.namespaces()
@@ -41,7 +41,7 @@ class PoolCollector:
             cap.add_metric(lv, p.size)
             free.add_metric(lv, p.free)
             vols.add_metric(lv, sum(1 for n in namespaces if n.pool == p.name))
-            usable.add_metric(lv + [p.problem or ""], 0 if p.problem else 1)
+            usable.add_metric([*lv, p.problem or ""], 0 if p.problem else 1)
         orphans = GaugeMetricFamily("csi_pmem_orphan_namespaces",
                                     "Namespaces named like volumes but without a state record")
         orphans.add_metric([], len(self.orphans()))
@@ -76,6 +76,6 @@ class Metrics:
 
     def serve(self, address: str):
         host, _, port = address.rpartition(":")
-        server, thread = start_http_server(int(port), addr=host or "0.0.0.0",
+        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0",
                                            registry=self.registry)
         return server

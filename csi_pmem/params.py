@@ -9,8 +9,8 @@ namespace), which are kept for labels and logs only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from csi_pmem.errors import InvalidArgument
 from csi_pmem.sizes import DEVDAX_ALIGNS, format_bytes

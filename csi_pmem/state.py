@@ -58,7 +58,7 @@ class VolumeRecord:
         return json.dumps(asdict(self), sort_keys=True, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "VolumeRecord":
+    def from_json(cls, text: str) -> VolumeRecord:
         raw = json.loads(text)
         pubs = {t: Publication(**p) for t, p in raw.pop("publications", {}).items()}
         return cls(**raw, publications=pubs)

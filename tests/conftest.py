@@ -78,7 +78,7 @@ class DriverProcess:
                 "--emulated-root", str(self.base / "pools"),
                 "--emulated-device", self.device, "--log-level", "debug", *self.extra]
 
-    def start(self, failpoints: str = "") -> "DriverProcess":
+    def start(self, failpoints: str = "") -> DriverProcess:
         self.kubelet.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONPATH=str(ROOT), **self.env)
         env["CSI_PMEM_FAILPOINTS"] = failpoints
@@ -93,7 +93,7 @@ class DriverProcess:
                 return self
             except (grpc.FutureTimeoutError, grpc.RpcError):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"driver did not start:\n{self.log.read_text()}")
+                    raise RuntimeError(f"driver did not start:\n{self.log.read_text()}") from None
 
     def wait_exit(self, timeout: float = 30) -> int:
         assert self.proc is not None
@@ -115,7 +115,7 @@ class DriverProcess:
                 self.proc.wait(5)
         self._close_channel()
 
-    def restart(self, failpoints: str = "") -> "DriverProcess":
+    def restart(self, failpoints: str = "") -> DriverProcess:
         self.stop()
         return self.start(failpoints)
 

@@ -94,9 +94,10 @@ def sanity_argv(binary: str, endpoint: str, work: Path, params: Path,
         f"--csi.endpoint={endpoint}",
         # csi-sanity mkdirs these itself before every spec (os.Mkdir: the parent must
         # exist, the directory must not) and removes them after it, so the driver must
-        # remove the <mountdir>/target it creates on NodeUnpublishVolume.
-        f"--csi.mountdir={work / 'mnt'}",
-        f"--csi.stagingdir={work / 'staging'}",
+        # remove the <mountdir>/target it creates on NodeUnpublishVolume. They lie below
+        # the driver's --kubelet-dir, the only place it agrees to publish into.
+        f"--csi.mountdir={kubelet_dir(work) / 'mnt'}",
+        f"--csi.stagingdir={kubelet_dir(work) / 'staging'}",
         f"--csi.testvolumeparameters={params}",
         f"--csi.testvolumesize={flavour.volume_size}",
         "--csi.testvolumeaccesstype=mount",
@@ -106,6 +107,11 @@ def sanity_argv(binary: str, endpoint: str, work: Path, params: Path,
     ]
     argv += [f"--ginkgo.skip={pattern}" for pattern in SKIPS]
     return argv
+
+
+def kubelet_dir(work: Path) -> Path:
+    """Stands in for /var/lib/kubelet: publish targets must lie below it."""
+    return work / "kubelet"
 
 
 def driver_argv(sock: Path, work: Path, flavour: Flavour) -> list[str]:
@@ -118,7 +124,14 @@ def driver_argv(sock: Path, work: Path, flavour: Flavour) -> list[str]:
         "--backend", "emulated",
         "--emulated-regions", flavour.regions,
         "--emulated-root", str(work / "pools"),
+        "--kubelet-dir", str(kubelet_dir(work)),
     ]
+
+
+def driver_env() -> dict[str, str]:
+    """The caller's environment minus CSI_PMEM_* settings, which the driver would read
+    as defaults for its flags and so make the run depend on the developer's shell."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("CSI_PMEM_")}
 
 
 # --- csi-sanity binary -------------------------------------------------------------
@@ -229,11 +242,12 @@ def start_driver(workdir: Path) -> Iterator[Callable[[Flavour], Driver]]:
     started: list[Driver] = []
 
     def start(flavour: Flavour) -> Driver:
+        kubelet_dir(workdir).mkdir()
         sock = workdir / "csi.sock"
         log = workdir / "driver.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(driver_argv(sock, workdir, flavour), cwd=REPO,
-                                    stdout=out, stderr=subprocess.STDOUT,
+                                    env=driver_env(), stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         driver = Driver(proc=proc, log=log, sock=sock)
         started.append(driver)

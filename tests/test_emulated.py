@@ -26,7 +26,8 @@ def test_pools_and_create_destroy(backend):
     pools = {p.name: p for p in backend.pools()}
     assert pools["region0"].numa_node == 0 and pools["region0"].free == 256 * MiB
     ns = backend.create("pmem-x", "region1", 64 * MiB, 2 * MiB)
-    assert (ns.numa_node, ns.size, ns.usable_size) == (1, 64 * MiB, devdax_usable(64 * MiB, 2 * MiB))
+    expected = (1, 64 * MiB, devdax_usable(64 * MiB, 2 * MiB))
+    assert (ns.numa_node, ns.size, ns.usable_size) == expected
     assert os.path.getsize(ns.device) == 64 * MiB
     assert {p.name: p.free for p in backend.pools()}["region1"] == 64 * MiB
     assert [n.name for n in backend.namespaces()] == ["pmem-x"]

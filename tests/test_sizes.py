@@ -5,8 +5,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from csi_pmem.errors import InvalidArgument
-from csi_pmem.sizes import (GiB, MiB, REGION_ALIGN, allocation_for, devdax_usable, format_bytes,
-                            parse_quantity)
+from csi_pmem.sizes import (
+    REGION_ALIGN,
+    GiB,
+    MiB,
+    allocation_for,
+    devdax_usable,
+    format_bytes,
+    parse_quantity,
+)
 
 
 def test_usable_matches_kernel_observations():

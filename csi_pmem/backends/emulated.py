@@ -24,8 +24,13 @@ from pathlib import Path
 
 from csi_pmem import runner
 from csi_pmem.backends.base import Backend, Namespace, Pool
-from csi_pmem.errors import AlreadyExists, BackendError, InvalidArgument, NotFound, \
-    ResourceExhausted
+from csi_pmem.errors import (
+    AlreadyExists,
+    BackendError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from csi_pmem.sizes import REGION_ALIGN, devdax_usable, parse_quantity, round_down
 
 log = logging.getLogger(__name__)

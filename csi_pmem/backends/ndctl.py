@@ -76,6 +76,9 @@ DEFAULT_DEVDAX_ALIGN = 2 * MiB
 ND_DEVICE_NAMESPACE_IO = 4     # label-less ("legacy") pmem: one namespace per region
 ND_DEVICE_NAMESPACE_PMEM = 5   # labelled pmem: sub-dividable
 MAX_NAME_LEN = 63              # alt-name buffer is 64 bytes including the NUL
+# Modes a namespace of ours can have: devdax, or raw while a create was cut short.
+# A named fsdax/sector namespace was made by someone else and is never destroyed.
+OUR_MODES = ("devdax", "raw")
 # A problem learned from a failed create is kept this long, then sysfs/ndctl evidence
 # is trusted again (an administrator may have fixed the region meanwhile).
 LEARNED_PROBLEM_TTL = 300.0
@@ -154,10 +157,16 @@ class _Listing:
     def region(self, name: str) -> dict[str, Any] | None:
         return next((r for r in self.regions if r.get("dev") == name), None)
 
-    def named(self, name: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-        """(region, namespace) pairs of configured namespaces with this alt-name, any mode."""
+    def named(self, name: str, modes: Iterable[str] | None = None,
+              ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """(region, namespace) pairs of configured namespaces with this alt-name.
+
+        ``modes`` limits the match (None: any mode).
+        """
+        wanted = None if modes is None else set(modes)
         return [(r, ns) for r in self.regions for ns in r.get("namespaces") or []
-                if ns.get("name") == name and _configured(ns)]
+                if ns.get("name") == name and _configured(ns)
+                and (wanted is None or ns.get("mode", "raw") in wanted)]
 
 
 def _normalise(doc: Any) -> _Listing:
@@ -559,7 +568,7 @@ class NdctlBackend(Backend):
         except CsiPmemError as e:
             log.warning("cannot inspect %s after failed create: %s", name, e)
             return None
-        found = listing.named(name)
+        found = listing.named(name, OUR_MODES)
         done = [(r, ns) for r, ns in found
                 if ns.get("mode") == "devdax" and not _disabled(ns) and _dax_device(ns)]
         if len(found) == 1 and done:
@@ -614,20 +623,21 @@ class NdctlBackend(Backend):
 
     # -- destroy --------------------------------------------------------------------
     def destroy(self, name: str) -> None:
-        """Remove every configured namespace named ``name``; none is fine.
+        """Remove every configured devdax or raw namespace named ``name``; none is fine.
 
-        Any mode counts, not only devdax: a create killed half-way can leave a raw
-        namespace that already carries the name. Namespaces without a name are never
-        touched: the exact name match is the proof of ownership.
+        Raw counts too: a create killed half-way can leave a raw namespace that already
+        carries the name. Namespaces without a name are never touched, nor named
+        fsdax/sector ones: the exact name on a devdax/raw namespace is the proof of
+        ownership.
         """
         if not name:
             raise InvalidArgument("refusing to destroy a namespace without a name")
-        found = self._list().named(name)
+        found = self._list().named(name, OUR_MODES)
         for region, ns in found:
             handle = str(ns["dev"])
             log.info("destroying %s (%s) on %s", handle, name, region.get("dev"))
             self._destroy_one(handle, active=not _disabled(ns))
-        if found and self._list().named(name):
+        if found and self._list().named(name, OUR_MODES):
             raise BackendError(f"namespace {name} is still present after "
                                "'ndctl destroy-namespace'; see the driver log")
 

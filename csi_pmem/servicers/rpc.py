@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 from google.protobuf import json_format
