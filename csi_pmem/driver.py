@@ -383,6 +383,10 @@ class Driver:
             self.store.put(rec)
             log.info("published %s at %s (readonly=%s, pod %s)", vid, target, readonly,
                      pod_uid or "-")
+            if not pod_uid:
+                log.warning("%s is published without a pod UID: any process that can reach "
+                            "%s gets the device (set podInfoOnMount: true on the CSIDriver)",
+                            vid, target)
 
     def _check_target_free(self, vid: str, target: str, current: mounts.MountInfo | None) -> None:
         if current is not None:
@@ -438,9 +442,15 @@ class Driver:
         if sealed:
             mounts.remount(pub.target, readonly=False)
         mode, gid = (0o660, pub.mount_group) if pub.mount_group is not None else (0o666, None)
-        self.dax.serve(sock, self._metadata(rec, pub),
-                       lambda: self.backend.open_device(ns, readonly),
-                       pod_uid=pub.pod_uid, mode=mode, gid=gid)
+        try:
+            self.dax.serve(sock, self._metadata(rec, pub),
+                           lambda: self.backend.open_device(ns, readonly),
+                           pod_uid=pub.pod_uid, mode=mode, gid=gid)
+        except FileExistsError as exc:
+            raise FailedPrecondition(
+                f"{sock} exists and is not a socket; refusing to replace it") from exc
+        except ValueError as exc:
+            raise InvalidArgument(f"cannot serve {sock}: {exc}") from exc
         if sealed:
             mounts.remount(pub.target, readonly=True)
 

@@ -156,7 +156,7 @@ def csi_sanity_binary() -> str:
     return lines[-1]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def as_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("csi-sanity needs root: the driver mounts a tmpfs at every publish target")
