@@ -61,6 +61,7 @@ VOLUME_ID_PREFIX = "pmem-"
 METADATA_FILE = "volume.json"
 SOCKET_FILE = "dax.sock"
 MAX_NAME_BYTES = 128
+PATH_MAX, NAME_MAX = 4096, 255  # Linux limits, in bytes (PATH_MAX counts the NUL)
 
 
 def volume_id_for(name: str) -> str:
@@ -333,6 +334,11 @@ class Driver:
                 or target == "/":
             raise InvalidArgument(
                 f"target_path {target!r} must be an absolute, normalised path other than /")
+        if len(os.fsencode(target)) >= PATH_MAX \
+                or any(len(os.fsencode(part)) > NAME_MAX for part in target.split("/")):
+            raise InvalidArgument(
+                f"target_path {target[:80]!r}... is too long: at most {PATH_MAX - 1} bytes, "
+                f"{NAME_MAX} per component")
         parent = os.path.realpath(os.path.dirname(target))
         real = os.path.join(parent, os.path.basename(target))
         if os.path.commonpath([real, self._kubelet_real]) != self._kubelet_real \
@@ -406,6 +412,14 @@ class Driver:
                 raise FailedPrecondition(
                     f"target {target} is a non-empty directory; mounting over it would hide "
                     "its contents")
+            return
+        # It will be created: the nearest existing ancestor must be a directory.
+        ancestor = os.path.dirname(target)
+        while not os.path.lexists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if not os.path.isdir(ancestor):
+            raise FailedPrecondition(
+                f"target {target} cannot be created: {ancestor} is not a directory")
 
     def _metadata(self, rec: VolumeRecord, pub: Publication) -> dict:
         return {"volume_id": rec.id, "device": rec.device, "numa_node": rec.numa_node,

@@ -172,7 +172,7 @@ def zero_fd(fd: int, length: int, *, threads: int | None = None, verify: bool = 
                     zaddr = ctypes.addressof(zeros_anchor)
                     ok = list(pool.map(
                         lambda c: _range_is_zero(base + c[0], c[1], zaddr), chunks))
-                    bad = [c for c, good in zip(chunks, ok) if not good]
+                    bad = [c for c, good in zip(chunks, ok, strict=True) if not good]
                     if bad:
                         off, size = bad[0]
                         first = off + _first_nonzero(base + off, size)

@@ -71,10 +71,16 @@ def _numa(value: str) -> int | None:
     text = str(value).strip()
     if text.lower() == "auto":
         return None
-    if not text.isdecimal() or not text.isascii() or len(text) > 4:
+    if not text.isdecimal() or not text.isascii():
         raise InvalidArgument(
             f"invalid numaNode {value!r}: use 'auto' or a non-negative integer such as \"0\"")
-    return int(text)
+    # Any non-negative integer is well-formed: a node this node lacks is no error of the
+    # class (GetCapacity 0, CreateVolume RESOURCE_EXHAUSTED). Only absurd lengths are
+    # refused, before int() would (it rejects strings of thousands of digits).
+    digits = text.lstrip("0") or "0"
+    if len(digits) > 18:
+        raise InvalidArgument(f"invalid numaNode {value!r}: out of range for a NUMA node id")
+    return int(digits)
 
 
 def _align(value: str) -> int:

@@ -95,12 +95,16 @@ def labelless_problem(region: str) -> str:
 
 
 def misaligned_problem(region: str, start: int | None) -> str:
-    where = f"starts at physical address {start:#x}, which is" if start is not None else "is"
-    return (f"{region} {where} not 16 MiB aligned; ndctl refuses every devdax/fsdax "
-            "namespace on it (\"misaligned to 16M, adjust region alignment and retry\") and "
-            "lowering the region's align does not help. Make the platform place the region "
-            "on a 16 MiB boundary (firmware/BIOS memory map; in QEMU add align=16M to each "
-            "NVDIMM's memory-backend-file)")
+    if start is not None and start % NDCTL_START_ALIGN:
+        what = f"{region} starts at physical address {start:#x}, which is not 16 MiB aligned"
+    else:
+        what = (f"a new namespace on {region} would start at a physical address that is not "
+                "16 MiB aligned")
+    return (f"{what}; ndctl refuses every devdax/fsdax namespace there (\"misaligned to "
+            "16M, adjust region alignment and retry\") and lowering the region's align does "
+            "not help. Make the platform place the region on a 16 MiB boundary "
+            "(firmware/BIOS memory map; in QEMU add align=16M to each NVDIMM's "
+            "memory-backend-file)")
 
 
 def disabled_problem(region: str) -> str:
@@ -708,7 +712,12 @@ def _check_name(name: str) -> None:
 
 
 def _last_line(stderr: str) -> str:
+    """The line of ndctl's stderr that says why (not the generic summary after it)."""
     lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
-    # ndctl ends with a generic "failed to create namespace: ..." after the real reason.
+    # ndctl prints the reason as the first "Error:" line, hints after it, and ends with a
+    # generic "failed to create namespace: <strerror>".
+    errors = [line for line in lines if line.startswith("Error:")]
+    if errors:
+        return errors[0].removeprefix("Error:").strip()
     specific = [line for line in lines if not line.startswith("failed to ")]
-    return (specific or lines or ["no error output"])[-1].removeprefix("Error: ")
+    return (specific or lines or ["no error output"])[-1]

@@ -35,7 +35,7 @@ def problem(cap: csi_pb2.VolumeCapability) -> str | None:
     if cap.access_mode.mode == Mode.UNKNOWN:
         return "volume capability needs an access mode"
     if cap.access_mode.mode not in SUPPORTED_MODES:
-        name = Mode.Mode.Name(cap.access_mode.mode)
+        name = mode_name(cap)
         return (f"access mode {name} is not supported: a persistent-memory volume lives on one "
                 "node; use ReadWriteOnce or ReadWriteOncePod")
     return None
@@ -51,4 +51,6 @@ def require_valid(caps) -> None:
 
 
 def mode_name(cap: csi_pb2.VolumeCapability) -> str:
-    return Mode.Mode.Name(cap.access_mode.mode)
+    # proto3 enums are open: a newer CO can send a mode this proto does not name.
+    mode = cap.access_mode.mode
+    return Mode.Mode.Name(mode) if mode in Mode.Mode.values() else f"{mode} (unknown)"

@@ -46,10 +46,18 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         cap = request.volume_capability
         readonly = request.readonly or cap.access_mode.mode in READ_ONLY_MODES
         group = cap.mount.volume_mount_group
-        if group and not group.isdecimal():
-            raise InvalidArgument(f"volume_mount_group {group!r} must be a numeric group id")
+        # A gid_t, and not (gid_t)-1, which chown() reads as "leave the group alone".
+        if group and not (group.isascii() and group.isdecimal() and len(group) <= 10
+                          and int(group) < 2**32 - 1):
+            raise InvalidArgument(
+                f"volume_mount_group {group!r} must be a numeric group id (0 to 4294967294)")
+        pod_uid = request.volume_context.get(POD_UID_KEY) or None
+        if pod_uid is not None and "/" in pod_uid:
+            # Checked here, not only when the socket is first served, so that a repeated
+            # publish gets the same answer as the first one.
+            raise InvalidArgument(f"{POD_UID_KEY} {pod_uid!r} is not a pod UID")
         self.driver.publish(request.volume_id, request.target_path, readonly,
-                            pod_uid=request.volume_context.get(POD_UID_KEY) or None,
+                            pod_uid=pod_uid,
                             mount_group=int(group) if group else None,
                             access_mode=mode_name(cap))
         return csi_pb2.NodePublishVolumeResponse()

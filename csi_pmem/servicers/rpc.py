@@ -22,6 +22,12 @@ log = logging.getLogger("csi_pmem.rpc")
 QUIET = {"Probe", "NodeGetCapabilities", "GetPluginInfo", "GetPluginCapabilities",
          "ControllerGetCapabilities", "NodeGetInfo"}
 
+# The status message travels percent-encoded in an HTTP/2 trailer, and clients drop
+# trailers above 8-16 KiB, reporting RESOURCE_EXHAUSTED ("Stream removed") instead of
+# our code. Messages quote request fields (names, ids, paths, tokens), so they are
+# bounded; the log keeps the whole text.
+MAX_MESSAGE_BYTES = 1024
+
 # Observer hook: (method, code name, seconds). Metrics register here.
 observers: list[Callable[[str, str, float], None]] = []
 
@@ -63,6 +69,15 @@ def rpc(method: Callable) -> Callable:
                 log.log(level, "%s -> %s%s", name, code.name, f": {message}" if message else "",
                         extra={"rpc": name, "code": code.name, "seconds": round(seconds, 6),
                                "request": redact(request)})
-        context.abort(code, message)
+        context.abort(code, clip(message))
 
     return wrapper
+
+
+def clip(message: str) -> str:
+    """``message`` cut to MAX_MESSAGE_BYTES of UTF-8, marked when it was cut."""
+    data = message.encode("utf-8", "replace")
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return message
+    return (data[:MAX_MESSAGE_BYTES].decode("utf-8", "ignore")
+            + " [... truncated; the driver log has the whole message]")

@@ -1,0 +1,321 @@
+#!/usr/bin/env python3
+"""GPU weight-loading benchmark: our loader against the pinned-copy ceiling, safetensors
+and torch, in one process and one run (issue 5 item 6).
+
+Why one run: host-to-device bandwidth drifts with clocks, other tenants and NUMA
+placement; ratios are only meaningful between numbers taken together.
+
+Methods (GB/s = weight bytes / wall time until the data is usable on the device):
+  (a) pinned H2D ceiling: cudaMemcpyAsync from a 1 GiB pinned buffer, one stream
+  (b) safetensors.torch.load_file(device="cuda") over every shard
+  (c) torch.load(mmap=True) of the same weights saved as .pt, then .to("cuda")
+  (d) csi_pmem.loader from a volume file on tmpfs/hugetlbfs standing in for devdax:
+      bounce path cold (fresh mapping) and warm (same mapping, warm loader), with
+      verification, and the registered-mapping path
+  (e) our CPU path (views, read-through, bounce fill, sha256) plus a numpy memcpy
+Every GPU result is compared bit for bit with (b); the table ends with those results.
+With --cpu-only (CI, no torch) only (e) runs.
+
+Usage:
+  benchmarks/bench_loader.py --size-gb 16 --work /mnt/bench [--volume PATH ...]
+  benchmarks/bench_loader.py --cpu-only --size-gb 0.05 --work /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import make_model
+
+from csi_pmem.loader import bench, open_model, open_volume, stage, start_load
+from csi_pmem.loader.layout import INDEX_AREA, plan_files, round_up
+from csi_pmem.loader.staging import scan_source
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def fs_type(path: str) -> str:
+    best, kind = "", "?"
+    with open("/proc/mounts") as m:
+        for line in m:
+            mnt, typ = line.split()[1:3]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, kind = mnt, typ
+    return kind
+
+
+def prepare(args: argparse.Namespace) -> tuple[str, list[str]]:
+    src = args.model or os.path.join(args.work, "model")
+    if not args.model and not os.path.exists(os.path.join(src, "config.json")):
+        t = time.perf_counter()
+        info = make_model.make(int(args.size_gb * 1e9), src)
+        log(f"generated {info} in {time.perf_counter() - t:.1f} s")
+    sources = scan_source(src)
+    need = round_up(max(f.end for f in plan_files(sources, INDEX_AREA, 2 * MiB)), 2 * MiB)
+    volumes = args.volume or [os.path.join(args.work, "volume.img")]
+    for path in volumes:
+        with open(path, "ab") as f:
+            if os.fstat(f.fileno()).st_size < need:
+                f.truncate(need)
+        t = time.perf_counter()
+        with open_volume(path, writable=True) as vol:
+            result = stage(vol, src, name="bench")
+        if not result.already:
+            log(f"staged into {path} ({fs_type(path)}) in {time.perf_counter() - t:.1f} s")
+    return src, volumes
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def row(name: str, nbytes: int, seconds: float, check: str = "", **extra: object) -> dict:
+    return {"method": name, "bytes": nbytes, "seconds": seconds,
+            "GB/s": nbytes / seconds / 1e9 if seconds else 0.0, "check": check, **extra}
+
+
+def cpu_rows(volume: str, args: argparse.Namespace) -> list[dict]:
+    with open_volume(volume) as vol:
+        results = bench.run_cpu(open_model(vol), threads=args.threads, buffers=args.buffers,
+                                buffer_size=args.buffer_mib * MiB, repeat=args.repeat)
+    return [row(f"(e) {r.name}", r.nbytes, r.seconds, note=r.note) for r in results]
+
+
+# --- GPU ------------------------------------------------------------------------------
+
+def gpu_rows(src: str, volumes: list[str], args: argparse.Namespace) -> list[dict]:
+    import torch
+    from safetensors.torch import load_file
+
+    from csi_pmem.loader.gpu import GpuLoader
+
+    dev = torch.device(args.device)
+    torch.cuda.set_device(dev)
+    shards = sorted(str(p) for p in Path(src).glob("*.safetensors"))
+    total = sum(t.nbytes for ts in open_model(volumes[0]).select().values() for t in ts)
+    rows: list[dict] = []
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - t
+
+    def free(*objs) -> None:
+        del objs
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    # (a) the ceiling: the same bytes from one pinned buffer, one stream.
+    pinned = torch.empty(GiB, dtype=torch.uint8, pin_memory=True).fill_(7)
+    target = torch.empty(total, dtype=torch.uint8, device=dev)
+
+    def ceiling() -> None:
+        for off in range(0, total, GiB):
+            n = min(GiB, total - off)
+            target[off:off + n].copy_(pinned[:n], non_blocking=True)
+
+    timed(ceiling)
+    best = min(timed(ceiling)[1] for _ in range(args.repeat))
+    rows.append(row("(a) pinned H2D ceiling (cudaMemcpyAsync)", total, best))
+    free(pinned, target)
+
+    # (b) safetensors, also the reference for every check below.
+    def st_load() -> dict:
+        out = {}
+        for f in shards:
+            out.update(load_file(f, device=str(dev)))
+        return out
+
+    ref, secs = timed(st_load)
+    rows.append(row("(b) safetensors.torch.load_file(cuda)", total, secs))
+
+    def same(got: dict) -> str:
+        if got.keys() != ref.keys():
+            return f"FAIL: {len(got)} tensors, expected {len(ref)}"
+        bad = [k for k, v in ref.items()
+               if v.shape != got[k].shape or v.dtype != got[k].dtype
+               or not torch.equal(v.view(-1).view(torch.uint8),
+                                  got[k].contiguous().view(-1).view(torch.uint8))]
+        return "bit-exact" if not bad else f"FAIL: {len(bad)} differ, e.g. {bad[0]}"
+
+    # (c) torch.load(mmap=True) + .to(cuda)
+    if not args.skip_torch_load:
+        pt = os.path.join(args.work, "model.pt")
+        if not os.path.exists(pt):
+            cpu = {}
+            for f in shards:
+                cpu.update(load_file(f))
+            torch.save(cpu, pt)
+            free(cpu)
+
+        def tl() -> dict:
+            sd = torch.load(pt, mmap=True, weights_only=True)
+            return {k: v.to(dev) for k, v in sd.items()}
+
+        got, secs = timed(tl)
+        rows.append(row("(c) torch.load(mmap=True) + .to(cuda)", total, secs, same(got)))
+        free(got)
+
+    # (d) ours
+    configs = [tuple(int(x) for x in c.replace(":", "x").split("x"))
+               for c in args.configs.split(",")]
+    for vpath in volumes:
+        fs = fs_type(vpath)
+        for nbuf, mib, threads in configs:
+            label = f"{nbuf}x{mib}MiB/{threads}thr"
+            loader = GpuLoader(dev, buffers=nbuf, buffer_size=mib * MiB, threads=threads,
+                               mode="bounce")
+            loader.prepare()
+            vol = open_volume(vpath)  # fresh mapping: the first load pays page faults
+            view = open_model(vol)
+            got, secs = timed(partial(load, view, str(dev), loader, False))
+            rows.append(row(f"(d) ours, bounce, cold mapping [{fs} {label}]", total, secs,
+                            same(got)))
+            free(got)
+            times = []
+            for _ in range(args.repeat):
+                got, secs = timed(partial(load, view, str(dev), loader, False))
+                times.append(secs)
+                free(got)
+            rows.append(row(f"(d) ours, bounce, warm [{fs} {label}]", total, min(times),
+                            "", runs=[round(t, 4) for t in times]))
+            if (nbuf, mib, threads) == configs[0]:
+                got, secs = timed(partial(load, view, str(dev), loader, True))
+                rows.append(row(f"(d) ours, bounce, warm + sha256 verify [{fs}]", total,
+                                secs, same(got)))
+                free(got)
+            loader.close()
+        if not args.skip_registered:
+            loader = GpuLoader(dev, mode="registered")
+            got, secs = timed(partial(load, view, str(dev), loader, False))
+            path = loader.last_path
+            rows.append(row(f"(d) ours, {path}, first load incl. registration [{fs}]",
+                            total, secs, same(got)))
+            free(got)
+            times = []
+            for _ in range(args.repeat):
+                got, secs = timed(partial(load, view, str(dev), loader, False))
+                times.append(secs)
+                free(got)
+            rows.append(row(f"(d) ours, {loader.last_path}, warm [{fs}]", total, min(times),
+                            "", runs=[round(t, 4) for t in times]))
+            loader.close()
+        vol.close()
+    free(ref)
+    ceiling_gbps = rows[0]["GB/s"]
+    for r in rows:
+        r["ratio_to_a"] = r["GB/s"] / ceiling_gbps
+    return rows
+
+
+def load(view, device: str, loader, verify: bool) -> dict:
+    return start_load(view, device, loader=loader, verify=verify).result()
+
+
+def environment(args: argparse.Namespace) -> dict:
+    env = {"python": platform.python_version(), "cpus": len(os.sched_getaffinity(0)),
+           "kernel": platform.release(), "work_fs": fs_type(args.work)}
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            env["shmem_thp"] = f.read().strip()
+    except OSError:
+        pass
+    env["numa_nodes"] = sorted(p for p in os.listdir("/sys/devices/system/node")
+                               if p.startswith("node")) if os.path.isdir(
+        "/sys/devices/system/node") else []
+    if not args.cpu_only:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["gpu"] = torch.cuda.get_device_name(args.device)
+    return env
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed; no plot")
+        return
+    names = [r["method"] for r in rows]
+    values = [r["GB/s"] for r in rows]
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 1.5))
+    bars = ax.barh(range(len(rows)), values, color=[
+        "#777" if n.startswith("(a)") else "#2a7" if n.startswith("(d)") else "#c84"
+        for n in names])
+    ax.set_yticks(range(len(rows)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s (weight bytes / wall time)")
+    ax.set_title(title, fontsize=9)
+    for bar, r in zip(bars, rows, strict=True):
+        ratio = f"  {r['ratio_to_a']:.0%} of (a)" if "ratio_to_a" in r else ""
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f" {r['GB/s']:.1f}{ratio}", va="center", fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    log(f"plot saved to {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-gb", type=float, default=16.0)
+    p.add_argument("--work", default="/dev/shm/csi-pmem-bench",
+                   help="tmpfs directory for the model, volume and .pt file")
+    p.add_argument("--model", help="use this safetensors directory instead of generating")
+    p.add_argument("--volume", action="append",
+                   help="volume file(s) to stage into and load from (tmpfs, hugetlbfs)")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--cpu-only", action="store_true", help="only (e); no torch needed")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--buffers", type=int, default=12)
+    p.add_argument("--buffer-mib", type=int, default=32)
+    p.add_argument("--configs", default="12x32:8",
+                   help="bounce configs BUFFERSxMIB:THREADS, comma separated")
+    p.add_argument("--skip-torch-load", action="store_true")
+    p.add_argument("--skip-registered", action="store_true")
+    p.add_argument("--json", help="write results here")
+    p.add_argument("--plot", default=str(Path(__file__).resolve().parent.parent / "docs"
+                                         / "loader-bench.png"))
+    args = p.parse_args(argv)
+    os.makedirs(args.work, exist_ok=True)
+    src, volumes = prepare(args)
+    env = environment(args)
+    rows = [] if args.cpu_only else gpu_rows(src, volumes, args)
+    rows += cpu_rows(volumes[0], args)
+    size = rows[0]["bytes"] / 1e9
+    print(f"\nmodel {size:.2f} GB, {env}")
+    print(f"{'method':<62} {'GB/s':>8} {'x (a)':>6} {'s':>8}  check")
+    for r in rows:
+        ratio = f"{r['ratio_to_a']:.2f}" if "ratio_to_a" in r else "-"
+        print(f"{r['method']:<62} {r['GB/s']:8.2f} {ratio:>6} {r['seconds']:8.4f}  "
+              f"{r['check']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "rows": rows}, f, indent=1)
+    if not args.cpu_only and args.plot:
+        plot(rows, args.plot, f"{env.get('gpu', '')}: {size:.1f} GB model, "
+                              f"{env.get('torch', '')}")
+    failed = [r for r in rows if str(r["check"]).startswith("FAIL")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The load API: ``start_load`` (futures per file and per tensor) and the blocking
+``load_safetensors`` / ``load_numpy`` built on it.
+
+Why futures: an inference server can start building layers as their weights land, and
+overlap loading with everything else it does at start-up; ``LoadHandle.verified``
+lets checksum verification run beside the copy instead of before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
+
+from csi_pmem.loader import checksum
+from csi_pmem.loader.cpu import numpy_view, torch_view
+from csi_pmem.loader.errors import ChecksumError, LoaderError
+from csi_pmem.loader.model import ModelView, open_model
+from csi_pmem.loader.stformat import TensorInfo
+from csi_pmem.loader.volume import Volume
+
+log = logging.getLogger(__name__)
+
+CPU_VIEW = "cpu-view"
+
+
+def _future() -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_running_or_notify_cancel()  # results are pushed, never cancelled
+    return fut
+
+
+class LoadHandle:
+    """Futures of one load.
+
+    ``tensors[name]`` and ``files[file]`` resolve as data lands (a file's future gives
+    its ``{name: tensor}``); ``done`` gives everything; ``verified`` resolves to None or
+    raises :class:`ChecksumError`. :meth:`result` waits for both.
+    """
+
+    def __init__(self, view: ModelView, selection: dict[str, list[TensorInfo]], device: str):
+        self.view = view
+        self.device = device
+        self.tensors = {t.name: _future() for ts in selection.values() for t in ts}
+        self.files = {f: _future() for f in selection}
+        self.done: Future[dict[str, Any]] = _future()
+        self.verified: Future[None] = _future()
+        self.nbytes = sum(t.nbytes for ts in selection.values() for t in ts)
+        self.path: str | None = None
+        self.started = time.monotonic()
+        self.seconds: float | None = None
+
+    @property
+    def gbps(self) -> float | None:
+        return None if not self.seconds else self.nbytes / self.seconds / 1e9
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        tensors = self.done.result(timeout)
+        self.verified.result(timeout)
+        return tensors
+
+    def _tensor(self, name: str, value: Any) -> None:
+        self.tensors[name].set_result(value)
+
+    def _file(self, name: str, tensors: dict[str, Any]) -> None:
+        self.files[name].set_result(tensors)
+
+    def _finish(self, path: str) -> None:
+        self.path = path
+        self.seconds = time.monotonic() - self.started
+        self.done.set_result({n: f.result() for n, f in self.tensors.items()})
+
+    def _fail(self, exc: BaseException) -> None:
+        for fut in [*self.tensors.values(), *self.files.values(), self.done]:
+            if not fut.done():
+                fut.set_exception(exc)
+
+
+_loaders: dict[str, Any] = {}
+_loaders_lock = threading.Lock()
+
+
+def default_loader(device: str) -> Any:
+    """One shared :class:`GpuLoader` per device (buffers are allocated once)."""
+    from csi_pmem.loader.gpu import GpuLoader
+
+    with _loaders_lock:
+        loader = _loaders.get(device)
+        if loader is None:
+            loader = _loaders[device] = GpuLoader(device)
+        return loader
+
+
+def _verify(handle: LoadHandle, selection: dict[str, list[TensorInfo]],
+            threads: int | None) -> None:
+    view = handle.view
+    ranges = {}
+    for fname, tensors in selection.items():
+        f = view.file(fname)
+        # The header bytes were trusted to build the views: verify them too.
+        ranges[fname] = [(f.offset, view.headers[fname].data_start)] + [
+            (t.offset, t.offset + max(t.nbytes, 1)) for t in tensors]
+    chunks = checksum.model_chunks(view.model, [view.file(f) for f in selection], ranges)
+    started = time.monotonic()
+    fut = checksum.start_verify(view.volume, chunks, threads=threads)
+
+    def relay(f: Future[list[checksum.Mismatch]]) -> None:
+        exc = f.exception()
+        if exc is None and f.result():
+            bad = f.result()
+            exc = ChecksumError(
+                f"{len(bad)} chunk(s) of model {view.model.label()} on {view.volume.source} "
+                f"do not match their staged checksums, first: {bad[0]}. The volume copy is "
+                "damaged; stage the model again")
+        if exc is not None:
+            log.error("%s", exc)
+            handle.verified.set_exception(exc)
+        else:
+            log.debug("verified %d chunks in %.3f s", len(chunks), time.monotonic() - started)
+            handle.verified.set_result(None)
+
+    fut.add_done_callback(relay)
+
+
+def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str = "cpu", *,
+               model: str | None = None, names: Iterable[str] | None = None,
+               predicate: Callable[[str], bool] | None = None, verify: bool = True,
+               verify_threads: int | None = None, loader: Any = None,
+               framework: str = "torch", prefault: bool = False) -> LoadHandle:
+    """Start loading a staged model; returns at once with a :class:`LoadHandle`.
+
+    ``volume``: a published volume directory, a devdax device or file path (mapped
+    read-only), an open :class:`Volume` (keep it open across loads: that is what makes
+    a registered mapping pay), or a :class:`ModelView`. ``names``/``predicate`` pick a
+    subset (tensor parallelism). ``device="cpu"`` gives views of the mapping (torch, or
+    numpy with ``framework="numpy"``); ``"cuda"``/``"cuda:N"`` copies through ``loader``
+    (default: one shared :class:`~csi_pmem.loader.gpu.GpuLoader` per device).
+    """
+    view = volume if isinstance(volume, ModelView) else open_model(volume, model)
+    selection = view.select(names, predicate)
+    handle = LoadHandle(view, selection, device)
+    if verify:
+        _verify(handle, selection, verify_threads)
+    else:
+        handle.verified.set_result(None)
+    if prefault:
+        for fname in selection:
+            f = view.file(fname)
+            view.volume.prefault(f.offset, f.length)
+
+    if device == "cpu":
+        make = numpy_view if framework == "numpy" else torch_view
+        try:
+            for fname, tensors in selection.items():
+                got = {t.name: make(view.volume, t) for t in tensors}
+                for name, value in got.items():
+                    handle._tensor(name, value)
+                handle._file(fname, got)
+            handle._finish(CPU_VIEW)
+        except BaseException as exc:
+            handle._fail(exc)
+            raise
+        return handle
+    if framework != "torch":
+        raise LoaderError(f"device {device!r} needs framework='torch'")
+    if not device.startswith("cuda"):
+        raise LoaderError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+    gpu = loader or default_loader(device)
+
+    def run() -> None:
+        try:
+            path = gpu.load(view, selection, handle._tensor, handle._file)
+            handle._finish(path)
+            log.info("loaded %d tensors (%.2f GB) to %s in %.3f s (%.1f GB/s, %s path)",
+                     len(handle.tensors), handle.nbytes / 1e9, device, handle.seconds,
+                     handle.gbps or 0.0, path)
+        except BaseException as exc:
+            log.error("loading to %s failed: %s", device, exc)
+            handle._fail(exc)
+
+    threading.Thread(target=run, name="load", daemon=True).start()
+    return handle
+
+
+def load_safetensors(volume: Volume | ModelView | str | os.PathLike[str],
+                     device: str = "cpu", **kw: Any) -> dict[str, Any]:
+    """Load a staged model as ``{name: torch.Tensor}`` (see :func:`start_load`)."""
+    return start_load(volume, device, **kw).result()
+
+
+def load_numpy(volume: Volume | ModelView | str | os.PathLike[str],
+               **kw: Any) -> dict[str, Any]:
+    """``{name: numpy.ndarray}`` views of the mapping; bf16/fp8 come back as raw uint
+    views (see ``TensorInfo.dtype`` through :func:`open_model` for the logical type)."""
+    return start_load(volume, "cpu", framework="numpy", **kw).result()

@@ -1,0 +1,337 @@
+"""Stage a model directory into a volume, verify it, list it, export it back.
+
+Why a separate step from loading: staging writes (a sidecar with a read-write mount),
+loading only reads (the server, mounted read-only). Staging is restartable: the index
+records the plan first, then marks each file done after its bytes are copied,
+checksummed and msynced, and commits the model last, so a crash or signal at any point
+leaves either the previous state or a ``staging`` entry that loads refuse and the next
+``stage`` resumes (files already done are verified, not copied again).
+
+Copies go straight from the source file into the mapping (``preadv`` into a view of
+it): one copy, no intermediate buffer, and several chunks in flight on a thread pool
+because ``preadv`` and hashlib release the GIL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from csi_pmem.loader import checksum
+from csi_pmem.loader.errors import (
+    ChecksumError,
+    LayoutError,
+    LoaderError,
+    ReadOnlyVolumeError,
+)
+from csi_pmem.loader.layout import (
+    COMMITTED,
+    KIND_AUX,
+    KIND_SAFETENSORS,
+    STAGING,
+    FileEntry,
+    Index,
+    ModelEntry,
+    SourceFile,
+    allocate,
+    chunk_ranges,
+    read_index,
+    write_index,
+)
+from csi_pmem.loader.stformat import read_header_file
+from csi_pmem.loader.volume import Volume, format_size
+
+log = logging.getLogger(__name__)
+
+# Called with (bytes done, bytes total, what is happening).
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass
+class StageResult:
+    model: ModelEntry
+    copied: int
+    reused: int
+    seconds: float
+    already: bool = False
+
+
+def scan_source(src_dir: str) -> list[SourceFile]:
+    """Every regular file under ``src_dir`` (symlinks followed, as in a Hugging Face
+    snapshot), hidden names skipped; safetensors headers are validated up front."""
+    if not os.path.isdir(src_dir):
+        raise LoaderError(f"{src_dir} is not a directory")
+    found = []
+    for root, dirs, files in os.walk(src_dir, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for fname in sorted(files):
+            if fname.startswith("."):
+                continue
+            path = os.path.join(root, fname)
+            st = os.stat(path)
+            if not os.path.isfile(path):
+                continue
+            name = os.path.relpath(path, src_dir).replace(os.sep, "/")
+            kind = KIND_SAFETENSORS if fname.endswith(".safetensors") else KIND_AUX
+            if kind == KIND_SAFETENSORS:
+                read_header_file(path)
+            found.append(SourceFile(name, path, st.st_size, st.st_mtime_ns, kind))
+    if not any(s.kind == KIND_SAFETENSORS for s in found):
+        raise LoaderError(f"{src_dir} holds no *.safetensors file; nothing to stage")
+    _check_shard_index(src_dir, found)
+    return found
+
+
+def _check_shard_index(src_dir: str, found: list[SourceFile]) -> None:
+    names = {s.name for s in found}
+    for s in found:
+        if not s.name.endswith(".safetensors.index.json"):
+            continue
+        try:
+            with open(s.path) as f:
+                weight_map = json.load(f).get("weight_map", {})
+        except (OSError, ValueError, AttributeError) as exc:
+            raise LoaderError(f"{s.path} is not a valid shard index: {exc}") from exc
+        prefix = os.path.dirname(s.name)
+        missing = sorted({shard for shard in weight_map.values()
+                          if (f"{prefix}/{shard}" if prefix else shard) not in names})
+        if missing:
+            raise LoaderError(f"{s.path} names shards missing from {src_dir}: "
+                              + ", ".join(missing))
+
+
+def _same_files(model: ModelEntry, sources: list[SourceFile]) -> bool:
+    want = sorted((s.name, s.size, s.kind) for s in sources)
+    return want == sorted((f.name, f.length, f.kind) for f in model.files)
+
+
+def _open_index(volume: Volume, replace: bool) -> Index:
+    try:
+        index = read_index(volume)
+    except LayoutError as exc:
+        if not replace:
+            raise LayoutError(f"{exc}; pass --replace (replace=True) to discard the "
+                              "volume's contents and stage anew") from exc
+        log.warning("discarding unreadable index: %s", exc)
+        index = None
+    if index is None:
+        return Index(align=volume.align)
+    if replace:
+        return Index(generation=index.generation, align=volume.align)
+    return index
+
+
+def _copy_chunk(volume: Volume, fd: int, entry: FileEntry, off: int, length: int,
+                source: str) -> str:
+    view = volume.view(entry.offset + off, length)
+    got = 0
+    while got < length:
+        n = os.preadv(fd, [view[got:]], off + got)
+        if n <= 0:
+            raise LoaderError(f"{source} became shorter while it was being staged")
+        got += n
+    return checksum.digest(view)
+
+
+class _Copier:
+    """Copies files chunk-parallel and records each one in the index when done."""
+
+    def __init__(self, volume: Volume, index: Index, model: ModelEntry,
+                 sources: dict[str, SourceFile], threads: int, progress: Progress | None,
+                 total: int, done: int):
+        self.volume, self.index, self.model = volume, index, model
+        self.sources, self.threads, self.progress = sources, threads, progress
+        self.total, self.done = total, done
+
+    def run(self, files: list[FileEntry]) -> None:
+        fds = {f.name: os.open(self.sources[f.name].path, os.O_RDONLY | os.O_CLOEXEC)
+               for f in files}
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="stage")
+        try:
+            pending = {}
+            left = {}
+            for f in files:
+                ranges = chunk_ranges(f.length, self.model.chunk_size)
+                f.chunks = [""] * len(ranges)
+                left[f.name] = len(ranges)
+                for i, (off, length) in enumerate(ranges):
+                    fut = pool.submit(_copy_chunk, self.volume, fds[f.name], f, off, length,
+                                      self.sources[f.name].path)
+                    pending[fut] = (f, i, length)
+                if not ranges:
+                    self._finish(f, fds[f.name])
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_EXCEPTION)
+                for fut in finished:
+                    f, i, length = pending.pop(fut)
+                    f.chunks[i] = fut.result()  # raises the first copy error
+                    self.done += length
+                    left[f.name] -= 1
+                    if left[f.name] == 0:
+                        self._finish(f, fds[f.name])
+                    if self.progress:
+                        self.progress(self.done, self.total, f.name)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            for fd in fds.values():
+                os.close(fd)
+
+    def _finish(self, f: FileEntry, fd: int) -> None:
+        src = self.sources[f.name]
+        st = os.fstat(fd)
+        if (st.st_size, st.st_mtime_ns) != (src.size, src.mtime_ns):
+            raise LoaderError(f"{src.path} changed while it was being staged; run stage "
+                              "again once the source is complete")
+        self.volume.flush(f.offset, f.length)
+        f.done = True
+        write_index(self.volume, self.index)
+        log.info("staged %s (%s)", f.name, format_size(f.length))
+
+
+def stage(volume: Volume, src_dir: str, *, name: str | None = None, revision: str = "",
+          replace: bool = False, threads: int | None = None,
+          progress: Progress | None = None) -> StageResult:
+    """Copy ``src_dir`` into the volume as model ``name`` (default: the directory name)."""
+    if not volume.writable:
+        raise ReadOnlyVolumeError(
+            f"{volume.source} is opened read-only; staging needs a writable volume")
+    started = time.monotonic()
+    name = name or os.path.basename(os.path.normpath(src_dir))
+    sources = scan_source(src_dir)
+    index = _open_index(volume, replace)
+    existing = index.find(name)
+    if existing is not None and existing.state == COMMITTED:
+        if existing.revision == revision and _same_files(existing, sources):
+            return StageResult(existing, 0, existing.size, time.monotonic() - started,
+                               already=True)
+        raise LayoutError(
+            f"the volume already holds model {existing.label()}; staging "
+            f"{name}@{revision or '-'} over it needs --replace (which discards every "
+            "model on the volume)")
+    resume = (existing is not None and existing.revision == revision
+              and _same_files(existing, sources))
+    index.models = [m for m in index.models if m.state == COMMITTED]
+    model = existing if resume and existing else allocate(index, name, revision, sources,
+                                                          volume.size)
+    model.state = STAGING
+    model.updated = time.time()
+    index.models.append(model)
+    write_index(volume, index)  # the plan is on the volume before any data is
+
+    by_name = {s.name: s for s in sources}
+    reuse, copy = [], []
+    for f in model.files:
+        src = by_name[f.name]
+        if f.done and (f.source_size, f.source_mtime_ns) == (src.size, src.mtime_ns):
+            reuse.append(f)
+        else:
+            f.done, f.chunks = False, []
+            f.source_size, f.source_mtime_ns = src.size, src.mtime_ns
+            copy.append(f)
+    threads = threads or checksum.default_threads()
+    total = model.size
+    reused = 0
+    if reuse:
+        bad = checksum.verify_chunks(volume, checksum.model_chunks(model, reuse),
+                                     threads=threads)
+        bad_files = {m.chunk.file for m in bad}
+        for f in reuse:
+            if f.name in bad_files:
+                log.warning("resume: %s no longer matches its checksums; copying it again",
+                            f.name)
+                f.done, f.chunks = False, []
+                copy.append(f)
+            else:
+                reused += f.length
+        if progress:
+            progress(reused, total, f"reused {len(reuse) - len(bad_files)} verified files")
+    copier = _Copier(volume, index, model, by_name, threads, progress, total, reused)
+    copier.run(copy)
+    model.state = COMMITTED
+    model.updated = time.time()
+    write_index(volume, index)
+    return StageResult(model, total - reused, reused, time.monotonic() - started)
+
+
+def verify(volume: Volume, name: str | None = None, *, threads: int | None = None,
+           progress: Progress | None = None) -> dict[str, list[checksum.Mismatch]]:
+    """Problems per committed model (all of them, or the one named)."""
+    index = read_index(volume)
+    if index is None:
+        raise LayoutError(f"{volume.source} holds no staged model")
+    models = [index.select(name)] if name else index.committed()
+    if not models:
+        index.select()  # raises the right "not committed" message
+    out = {}
+    total = sum(m.size for m in models)
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress:
+            progress(done[0], total, "verifying")
+
+    for m in models:
+        out[m.label()] = checksum.verify_chunks(volume, checksum.model_chunks(m),
+                                                threads=threads, progress=tick)
+    return out
+
+
+def export(volume: Volume, dest: str, name: str | None = None, *, overwrite: bool = False,
+           threads: int | None = None, progress: Progress | None = None) -> list[str]:
+    """Write a committed model's files under ``dest``, verified chunk by chunk while
+    written; each file appears under its name only once complete."""
+    index = read_index(volume)
+    if index is None:
+        raise LayoutError(f"{volume.source} holds no staged model")
+    model = index.select(name)
+    targets = [os.path.join(dest, *f.name.split("/")) for f in model.files]
+    clash = [t for t in targets if os.path.exists(t)]
+    if clash and not overwrite:
+        raise LoaderError(f"{clash[0]} exists; pass --overwrite to replace "
+                          f"({len(clash)} files would be replaced)")
+    done = 0
+    written = []
+    with ThreadPoolExecutor(threads or checksum.default_threads(),
+                            thread_name_prefix="export") as pool:
+        for f, target in zip(model.files, targets, strict=True):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            partial = os.path.join(os.path.dirname(target),
+                                   f".{os.path.basename(target)}.partial")
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                chunks = checksum.model_chunks(model, [f])
+                for problem in pool.map(lambda c, fd=fd, f=f: _export_chunk(
+                        volume, fd, c, c.offset - f.offset), chunks):
+                    if problem is not None:
+                        raise ChecksumError(f"export stopped: {problem}; the volume copy is "
+                                            "damaged, stage the model again")
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                os.unlink(partial)
+                raise
+            os.close(fd)
+            os.replace(partial, target)
+            written.append(target)
+            done += f.length
+            if progress:
+                progress(done, model.size, f.name)
+    return written
+
+
+def _export_chunk(volume: Volume, fd: int, chunk: checksum.Chunk,
+                  file_off: int) -> checksum.Mismatch | None:
+    view = volume.view(chunk.offset, chunk.length)
+    got = checksum.digest(view)
+    if got != chunk.expected:
+        return checksum.Mismatch(chunk, got)
+    off = 0
+    while off < chunk.length:
+        off += os.pwrite(fd, view[off:], file_off + off)
+    return None

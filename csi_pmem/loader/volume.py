@@ -1,0 +1,310 @@
+"""Open a weight volume as one shared mapping, whichever way it reaches this process.
+
+Why: a devdax volume has no file the usual loaders can open (st_size is 0, no
+read()/write(); DESIGN.md 1.3), and inside a pod it is not even a device node: the fd
+arrives over the published directory's ``dax.sock``. Everything else in the loader
+works on one ``MAP_SHARED`` mapping from offset 0, so this module is the one place that
+knows the three sources: a published volume directory (or its socket), a devdax
+character device (node plugin, tests on real hardware), and a plain file (emulated
+volumes, tmpfs or hugetlbfs stand-ins, tests). Read-only volumes are mapped PROT_READ,
+so a stray store faults instead of corrupting staged weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import logging
+import mmap
+import os
+import stat
+from typing import Any
+
+from csi_pmem import daxclient
+from csi_pmem.loader.errors import AlignmentError, ReadOnlyVolumeError, VolumeError
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+DEFAULT_ALIGN = 2 * MiB
+PAGE = mmap.PAGESIZE
+# Linux 5.14+; Python 3.11's mmap module has no names for them.
+MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
+
+
+def format_size(n: int) -> str:
+    """Human-readable bytes for messages ("16.0 GiB (17179869184 bytes)")."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit} ({n} bytes)"
+    return f"{n} bytes"
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object),
+                ("len", ctypes.c_ssize_t), ("itemsize", ctypes.c_ssize_t),
+                ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("suboffsets", ctypes.c_void_p),
+                ("internal", ctypes.c_void_p)]
+
+
+def buffer_address(obj: Any) -> int:
+    """Address of a buffer's first byte, also for read-only buffers.
+
+    ``ctypes.c_char.from_buffer`` refuses read-only buffers (a PROT_READ mapping), and
+    numpy is optional, so ask the buffer protocol directly. The address stays valid as
+    long as the object does (a mapping does not move).
+    """
+    view = _PyBuffer()
+    get = ctypes.pythonapi.PyObject_GetBuffer
+    get.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+    if get(obj, ctypes.byref(view), 0) != 0:  # pragma: no cover - raises in ctypes first
+        raise VolumeError("object does not expose a buffer")
+    try:
+        return int(view.buf or 0)
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
+
+
+class Volume:
+    """One MAP_SHARED mapping of a whole volume plus what we know about it.
+
+    ``size`` is the mapped length (a multiple of ``align``), ``numa_node`` is None when
+    unknown. Views handed out (numpy arrays, torch tensors) keep the mapping alive after
+    :meth:`close`; it is unmapped when the last of them is freed.
+    """
+
+    def __init__(self, mapping: mmap.mmap, *, size: int, align: int, numa_node: int | None,
+                 writable: bool, source: str, metadata: dict[str, Any] | None = None):
+        self.mapping: mmap.mmap | None = mapping
+        self.size = size
+        self.align = align
+        self.numa_node = numa_node
+        self.writable = writable
+        self.source = source
+        self.metadata = dict(metadata or {})
+        self._view: memoryview | None = memoryview(mapping)
+        self._address: int | None = None
+
+    def __repr__(self) -> str:
+        mode = "rw" if self.writable else "ro"
+        return (f"Volume({self.source!r}, {format_size(self.size)}, align={self.align}, "
+                f"numa_node={self.numa_node}, {mode})")
+
+    @property
+    def buffer(self) -> memoryview:
+        if self._view is None:
+            raise VolumeError(f"volume {self.source} is closed")
+        return self._view
+
+    def view(self, offset: int, length: int) -> memoryview:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise VolumeError(f"range [{offset}, {offset + length}) is outside the volume "
+                              f"{self.source} of {self.size} bytes")
+        return self.buffer[offset:offset + length]
+
+    @property
+    def address(self) -> int:
+        if self._address is None:
+            self._address = buffer_address(self.mapping)
+        return self._address
+
+    def prefault(self, offset: int = 0, length: int | None = None) -> str:
+        """Populate page tables for a range now, so copies do not fault page by page.
+
+        Returns the method used. MADV_POPULATE_* (Linux 5.14) does it in the kernel in one
+        call; older kernels get MADV_WILLNEED plus touching one byte per page.
+        """
+        length = self.size - offset if length is None else length
+        start = offset - offset % PAGE
+        length += offset - start
+        if length <= 0 or self.mapping is None:
+            return "none"
+        advice = MADV_POPULATE_WRITE if self.writable else MADV_POPULATE_READ
+        try:
+            self.mapping.madvise(advice, start, length)
+            return "madv_populate"
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS):
+                raise VolumeError(f"prefault of {self.source} failed: {exc}") from exc
+        log.info("MADV_POPULATE not supported here; prefaulting %s by touching pages",
+                 self.source)
+        self.mapping.madvise(mmap.MADV_WILLNEED, start, length)
+        # Slicing with a step makes CPython read one byte per page in C.
+        bytes(self.buffer[start:start + length:PAGE])
+        return "touch"
+
+    def flush(self, offset: int = 0, length: int | None = None) -> None:
+        """msync a range (page-rounded); a no-op for read-only mappings."""
+        if not self.writable or self.mapping is None:
+            return
+        length = self.size - offset if length is None else length
+        start = offset - offset % PAGE
+        if length > 0:
+            self.mapping.flush(start, length + offset - start)
+
+    def close(self) -> None:
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+        if self.mapping is not None:
+            try:
+                self.mapping.close()
+            except BufferError:
+                # Tensors or arrays still point into it; it is unmapped when they go.
+                log.debug("%s: mapping outlives close() (views still exported)", self.source)
+            self.mapping = None
+
+    def __enter__(self) -> Volume:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_geometry(source: str, size: int, align: int) -> None:
+    if align < PAGE or align & (align - 1):
+        raise AlignmentError(f"{source}: align {align} is not a power of two >= {PAGE}")
+    if size <= 0:
+        raise VolumeError(f"{source}: the volume is empty (size {size}); nothing to map")
+    if size % align:
+        raise AlignmentError(
+            f"{source}: size {size} is not a multiple of the volume align "
+            f"{format_size(align)}; devdax mappings must start, end and be offset on that "
+            "alignment (for a plain file, resize it to a multiple, e.g. with truncate -s)")
+
+
+def _sysfs_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip(), 0)
+    except (OSError, ValueError):
+        return None
+
+
+def _volume_json(directory: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(directory, daxclient.METADATA_FILE)) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _map(fd: int, size: int, writable: bool, prefault: bool,
+         source: str) -> tuple[mmap.mmap, bool]:
+    """Map ``fd``; the flag says whether MAP_POPULATE already prefaulted it."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    flags = mmap.MAP_SHARED
+    populate = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
+    try:
+        return mmap.mmap(fd, size, flags=flags | populate, prot=prot), bool(populate)
+    except OSError as exc:
+        if populate and exc.errno == errno.EINVAL:
+            log.warning("%s: MAP_POPULATE refused (%s); mapping without it and prefaulting "
+                        "with madvise", source, exc)
+            return mmap.mmap(fd, size, flags=flags, prot=prot), False
+        hint = ""
+        if exc.errno == errno.EINVAL:
+            hint = " (devdax needs MAP_SHARED and a length on the namespace alignment)"
+        raise VolumeError(f"mmap of {format_size(size)} of {source} failed: {exc}{hint}") \
+            from exc
+
+
+def _from_socket(path: str, writable: bool, timeout: float) -> tuple[int, dict[str, Any]]:
+    try:
+        metadata, fd = daxclient.open_volume(path, timeout=timeout)
+    except daxclient.DaxSocketError as exc:
+        raise VolumeError(str(exc)) from exc
+    if writable and metadata.get("readonly"):
+        os.close(fd)
+        raise ReadOnlyVolumeError(
+            f"volume {metadata.get('volume_id', '?')} at {path} is published read-only; "
+            "staging writes to it: give the staging container a read-write mount of the "
+            "claim (readOnly: false) and keep the serving container read-only")
+    return fd, metadata
+
+
+def _from_path(path: str, writable: bool) -> tuple[int, dict[str, Any]]:
+    try:
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except PermissionError as exc:
+        if writable:
+            raise ReadOnlyVolumeError(
+                f"{path} cannot be opened for writing ({exc.strerror}); staging needs a "
+                "writable volume") from exc
+        raise VolumeError(f"cannot open {path}: {exc.strerror}") from exc
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise ReadOnlyVolumeError(
+                f"{path} is on a read-only file system; staging needs a writable volume") \
+                from exc
+        raise VolumeError(f"cannot open {path}: {exc.strerror}") from exc
+    st = os.fstat(fd)
+    meta: dict[str, Any] = {"device": path, "readonly": not writable}
+    if stat.S_ISCHR(st.st_mode):
+        # devdax: st_size is 0; the device's sysfs directory has size, align, node.
+        sysdir = f"/sys/dev/char/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+        for key, name in (("usable_size", "size"), ("align", "align"),
+                          ("numa_node", "numa_node")):
+            value = _sysfs_int(os.path.join(sysdir, name))
+            if value is not None:
+                meta[key] = value
+    elif stat.S_ISREG(st.st_mode):
+        meta["usable_size"] = st.st_size
+    else:
+        os.close(fd)
+        raise VolumeError(f"{path} is neither a regular file, a devdax device nor a "
+                          "published volume directory")
+    return fd, meta
+
+
+def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
+                prefault: bool = False, align: int | None = None,
+                numa_node: int | None = None, timeout: float = 10) -> Volume:
+    """Map a volume: a published volume directory, its ``dax.sock``, or a plain path.
+
+    ``writable=False`` maps PROT_READ (what loaders want); ``writable=True`` raises
+    :class:`ReadOnlyVolumeError` for read-only publishes and files. ``prefault`` asks
+    for MAP_POPULATE (all page tables filled at map time; on a sparse tmpfs file that
+    also allocates its holes). ``align`` and ``numa_node`` override what the volume
+    reports; plain files default to 2 MiB and an unknown node.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        sock = os.path.join(path, daxclient.SOCKET_NAME)
+        if not os.path.exists(sock):
+            raise VolumeError(
+                f"{path} is a directory without {daxclient.SOCKET_NAME}: not a published "
+                "csi-pmem devdax volume (pass the volume's mount directory, a devdax "
+                "device or a file)")
+        fd, meta = _from_socket(sock, writable, timeout)
+        if meta.get("numa_node") is None:
+            meta["numa_node"] = _volume_json(path).get("numa_node")
+    elif os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
+        fd, meta = _from_socket(path, writable, timeout)
+    elif os.path.exists(path):
+        fd, meta = _from_path(path, writable)
+    else:
+        raise VolumeError(f"{path} does not exist")
+    try:
+        try:
+            size = int(meta["usable_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise VolumeError(f"{path}: cannot tell the volume's size ({meta!r})") from exc
+        align = int(align or meta.get("align") or DEFAULT_ALIGN)
+        _check_geometry(path, size, align)
+        node = numa_node if numa_node is not None else meta.get("numa_node")
+        node = int(node) if node is not None and int(node) >= 0 else None
+        mapping, populated = _map(fd, size, writable, prefault, path)
+    finally:
+        os.close(fd)
+    volume = Volume(mapping, size=size, align=align, numa_node=node, writable=writable,
+                    source=path, metadata=meta)
+    if prefault and not populated:
+        volume.prefault()
+    log.debug("opened %r", volume)
+    return volume

@@ -1,0 +1,233 @@
+"""``csi-pmem-weights``: stage, verify, list, export and benchmark models on a volume.
+
+Why a CLI beside the library: staging is an operator's (or a sidecar's) job, and it
+must say clearly why it refuses (too small, read-only, corrupt) and how far it got.
+VOLUME is a published volume directory (with ``dax.sock``), a devdax device, or a plain
+file (tmpfs, hugetlbfs, an emulated volume's backing file).
+
+Exit codes: 0 success, 1 error, 2 usage, 3 checksum mismatches found by ``verify``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from csi_pmem.loader import errors
+from csi_pmem.loader import staging
+from csi_pmem.loader.layout import INDEX_AREA, read_index
+from csi_pmem.loader.volume import MiB, format_size, open_volume
+
+EXIT_ERROR, EXIT_MISMATCH = 1, 3
+_UNITS = {"": 1, "K": 1 << 10, "KI": 1 << 10, "M": MiB, "MI": MiB, "G": 1 << 30,
+          "GI": 1 << 30, "T": 1 << 40, "TI": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Binary sizes: "64Mi", "16G" and "16Gi" both mean GiB here (volumes are aligned)."""
+    s = text.strip().upper().removesuffix("B")
+    digits = s.rstrip("KMGTI")
+    try:
+        return int(digits) * _UNITS[s[len(digits):]]
+    except (ValueError, KeyError) as exc:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 512Mi, 16Gi)") from exc
+
+
+class Progress:
+    """Throttled progress on stderr; carriage returns on a terminal, lines otherwise."""
+
+    def __init__(self, verb: str, quiet: bool = False, interval: float = 0.5):
+        self.verb, self.quiet, self.interval = verb, quiet, interval
+        self.started = time.monotonic()
+        self.last = 0.0
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        now = time.monotonic()
+        if self.quiet or (now - self.last < self.interval and done < total):
+            return
+        self.last = now
+        rate = done / max(now - self.started, 1e-9) / 1e9
+        pct = 100 * done / total if total else 100
+        line = (f"{self.verb}: {done / (1 << 30):.2f}/{total / (1 << 30):.2f} GiB "
+                f"({pct:.0f}%) {rate:.2f} GB/s {what}")
+        print(("\r" + line + "\033[K") if self.tty else line, end="" if self.tty else "\n",
+              file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        if self.tty and not self.quiet and self.last:
+            print(file=sys.stderr)
+
+
+def _plain_file(path: str, size: int | None) -> None:
+    """Create or grow a plain-file volume when --size is given (tmpfs, hugetlbfs)."""
+    if size is None:
+        return
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise errors.VolumeError(f"--size applies to plain files only; {path} is not one")
+    with open(path, "ab") as f:
+        if os.fstat(f.fileno()).st_size < size:
+            f.truncate(size)
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    _plain_file(args.volume, args.size)
+    progress = Progress("stage", args.quiet)
+    with open_volume(args.volume, writable=True, align=args.align) as vol:
+        result = staging.stage(vol, args.src, name=args.name, revision=args.revision,
+                               replace=args.replace, threads=args.threads, progress=progress)
+    progress.end()
+    m = result.model
+    if result.already:
+        print(f"{m.label()} is already staged on {args.volume} ({format_size(m.size)}); "
+              "nothing copied")
+    else:
+        rate = result.copied / max(result.seconds, 1e-9) / 1e9
+        print(f"staged {m.label()}: {len(m.files)} files, {format_size(m.size)} "
+              f"({format_size(result.copied)} copied, {format_size(result.reused)} reused "
+              f"after verification) in {result.seconds:.1f} s ({rate:.2f} GB/s)")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    progress = Progress("verify", args.quiet)
+    with open_volume(args.volume) as vol:
+        report = staging.verify(vol, args.model, threads=args.threads, progress=progress)
+    progress.end()
+    bad = 0
+    for label, problems in report.items():
+        print(f"{label}: {'OK' if not problems else f'{len(problems)} bad chunk(s)'}")
+        for p in problems:
+            print(f"  {p}")
+        bad += len(problems)
+    return EXIT_MISMATCH if bad else 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with open_volume(args.volume) as vol:
+        index = read_index(vol)
+        size, align = vol.size, vol.align
+    models = index.models if index else []
+    if args.json:
+        doc = {"volume": args.volume, "size": size, "align": align,
+               "generation": index.generation if index else 0,
+               "models": [m.to_json() | {"digests": {f.name: f.digest for f in m.files}}
+                          for m in models]}
+        for m in doc["models"]:
+            for f in m["files"]:
+                f.pop("chunks", None)
+        print(json.dumps(doc, indent=1))
+        return 0
+    used = max([INDEX_AREA] + [m.end for m in models])
+    print(f"{args.volume}: {format_size(size)}, align {format_size(align)}, "
+          f"{format_size(size - used)} free")
+    if not models:
+        print("  (no model staged)")
+    for m in models:
+        print(f"  {m.label()}  [{m.state}]  {len(m.files)} files, {format_size(m.size)}")
+        for f in m.files:
+            state = "" if f.done else "  (not copied yet)"
+            print(f"    {f.length:>14}  @{f.offset:<14} {f.name}{state}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    progress = Progress("export", args.quiet)
+    with open_volume(args.volume) as vol:
+        written = staging.export(vol, args.dest, args.model, overwrite=args.overwrite,
+                                 threads=args.threads, progress=progress)
+    progress.end()
+    print(f"exported {len(written)} files to {args.dest} (checksums verified)")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from csi_pmem.loader import bench
+    from csi_pmem.loader.model import open_model
+
+    with open_volume(args.volume) as vol:
+        view = open_model(vol, args.model)
+        results = bench.run_cpu(view, threads=args.threads or 8, buffers=args.buffers,
+                                buffer_size=args.buffer_size, repeat=args.repeat)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results], indent=1))
+    else:
+        print(f"model {view.model.label()}: {format_size(view.model.size)} on {args.volume} "
+              f"(NUMA node {vol.numa_node if vol.numa_node is not None else 'unknown'})")
+        for r in results:
+            print(f"  {r.name:<36} {r.gbps:8.2f} GB/s  {r.seconds * 1e3:9.2f} ms  {r.note}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="csi-pmem-weights", description=__doc__.split("\n\n")[0])
+    p.add_argument("--log-level", default="WARNING")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser, model: bool = True) -> None:
+        sp.add_argument("--threads", type=int, default=None, help="worker threads")
+        sp.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+        if model:
+            sp.add_argument("--model", help="model name (default: the only one)")
+
+    s = sub.add_parser("stage", help="copy a model directory onto the volume")
+    s.add_argument("src", metavar="SRC_DIR", help="directory of *.safetensors and configs")
+    s.add_argument("volume", metavar="VOLUME")
+    s.add_argument("--name", help="model name (default: SRC_DIR's name)")
+    s.add_argument("--revision", default="", help="revision recorded with the model")
+    s.add_argument("--replace", action="store_true",
+                   help="discard everything on the volume first")
+    s.add_argument("--size", type=parse_size, help="create/grow a plain-file VOLUME to SIZE")
+    s.add_argument("--align", type=parse_size, help="override the volume align")
+    common(s, model=False)
+    s.set_defaults(func=cmd_stage)
+
+    v = sub.add_parser("verify", help="check every staged chunk against its checksum")
+    v.add_argument("volume", metavar="VOLUME")
+    common(v)
+    v.set_defaults(func=cmd_verify)
+
+    ls = sub.add_parser("ls", help="list models, files, sizes and offsets")
+    ls.add_argument("volume", metavar="VOLUME")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_ls)
+
+    e = sub.add_parser("export", help="write a staged model's files back, byte-identical")
+    e.add_argument("volume", metavar="VOLUME")
+    e.add_argument("dest", metavar="DEST")
+    e.add_argument("--overwrite", action="store_true")
+    common(e)
+    e.set_defaults(func=cmd_export)
+
+    b = sub.add_parser("bench", help="CPU-path throughput (views, memcpy, verify)")
+    b.add_argument("volume", metavar="VOLUME")
+    b.add_argument("--buffers", type=int, default=12)
+    b.add_argument("--buffer-size", type=parse_size, default=32 * MiB)
+    b.add_argument("--repeat", type=int, default=3)
+    b.add_argument("--json", action="store_true")
+    common(b)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except errors.LoaderError as exc:
+        print(f"csi-pmem-weights: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("csi-pmem-weights: interrupted; run the same command again to resume",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

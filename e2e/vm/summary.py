@@ -1,0 +1,114 @@
+"""Summarise a `make e2e-vm` run from the files the guests left in the results directory.
+
+Why a separate step on the host: the guest may die (kernel oops, timeout) before it
+prints anything useful, so the verdict is built from what reached the share: each
+configuration's exit status, its JUnit XML, ``facts.json`` and ``latency.json``.
+Prints a human summary, writes ``summary.json`` next to them, and exits 1 when any
+configuration failed, reported a failing test, or produced no report at all.
+
+Usage: summary.py RESULTS_DIR [--total-seconds S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+CONFIGS = ("main", "misaligned")
+
+
+def junit_cases(path: Path) -> list[dict]:
+    cases = []
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = tc.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (el.get("message") or el.text or "").strip()
+                break
+        cases.append({"name": tc.get("name", "?"), "outcome": outcome,
+                      "seconds": float(tc.get("time", 0) or 0), "message": message})
+    return cases
+
+
+def load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def summarise_config(d: Path) -> tuple[dict, list[str], bool]:
+    rc_text = (d / "rc").read_text().strip() if (d / "rc").exists() else "missing"
+    boot = (d / "boot_seconds").read_text().strip() if (d / "boot_seconds").exists() else "?"
+    junit = d / "junit.xml"
+    cases = junit_cases(junit) if junit.exists() else []
+    facts = load_json(d / "facts.json")
+    latency = load_json(d / "latency.json")
+    ok = rc_text == "0" and bool(cases) and not any(
+        c["outcome"] in ("failed", "error") for c in cases)
+    lines = [f"[{d.name}] {'PASS' if ok else 'FAIL'}: QEMU boot to power-off {boot} s, "
+             f"guest exit {rc_text}, {len(cases)} tests"]
+    if not junit.exists():
+        lines.append(f"  no JUnit report: see {d / 'console.log'} and {d / 'init.log'}")
+    for c in cases:
+        line = f"  {c['outcome'].upper():7} {c['name']} ({c['seconds']:.1f} s)"
+        if c["outcome"] != "passed":
+            first = c["message"].splitlines()[0] if c["message"] else ""
+            line += f": {first[:300]}"
+        lines.append(line)
+    for flavour, res in sorted((facts.get("csi_sanity") or {}).items()):
+        if "skipped" in res and isinstance(res["skipped"], str):
+            lines.append(f"  csi-sanity {flavour}: not run: {res['skipped']}")
+        else:
+            lines.append(f"  csi-sanity {flavour}: {res['passed']} passed, {res['skipped']} "
+                         f"skipped, {res['pending']} pending, {res['failed']} failed "
+                         f"({res['seconds']} s, volume {res['volume_size'] >> 20} MiB)")
+    ops = latency.get("operations") or {}
+    if ops:
+        lines.append(f"  latency ({latency.get('note', '')}):")
+        width = max(len(op) for op in ops)
+        for op, v in ops.items():
+            lines.append(f"    {op:{width}}  n={v['n']:<3} median {v['median_s']:7.3f} s  "
+                         f"min {v['min_s']:7.3f}  max {v['max_s']:7.3f}")
+    if facts.get("driver_start_seconds") is not None:
+        lines.append(f"  driver start to serving: {facts['driver_start_seconds']:.1f} s")
+    report = {"config": d.name, "ok": ok, "guest_exit": rc_text, "boot_seconds": boot,
+              "tests": cases, "csi_sanity": facts.get("csi_sanity"), "latency": ops}
+    return report, lines, ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results")
+    ap.add_argument("--total-seconds", default="")
+    args = ap.parse_args()
+    root = Path(args.results)
+    reports, all_ok = [], True
+    print("=" * 78)
+    print("e2e-vm summary (QEMU TCG guest, Debian kernel, real libnvdimm + ndctl)")
+    for name in CONFIGS:
+        d = root / name
+        if not d.is_dir():
+            continue
+        report, lines, ok = summarise_config(d)
+        reports.append(report)
+        all_ok &= ok
+        print("\n".join(lines))
+    if not reports:
+        print(f"no configuration ran (nothing under {root})")
+        all_ok = False
+    total = f", total wall time {args.total_seconds} s" if args.total_seconds else ""
+    print(f"e2e-vm: {'PASSED' if all_ok else 'FAILED'}{total}")
+    print("=" * 78)
+    (root / "summary.json").write_text(json.dumps(
+        {"ok": all_ok, "total_seconds": args.total_seconds, "configs": reports}, indent=1) + "\n")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Small synthetic safetensors models and volume files for the loader tests.
+
+Why our own writer beside ``safetensors.numpy.save_file``: numpy cannot hold bf16 or
+fp8, and the tests also need files the reference writer never produces (unaligned
+tensor offsets, truncated headers).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+def write_raw(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]],
+              metadata: dict[str, str] | None = None, pad_to: int = 8) -> Path:
+    """Write a safetensors file from (dtype name, shape, raw bytes) in the given order."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-(8 + len(blob)) % pad_to)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, _, data in tensors.values():
+            f.write(data)
+    return path
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def numpy_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    """One tensor per dtype numpy and safetensors share, plus empty ones."""
+    r = rng(seed)
+    return {
+        "f16": r.standard_normal((17, 5)).astype(np.float16),
+        "f32": r.standard_normal((3, 4, 5)).astype(np.float32),
+        "f64": r.standard_normal(7),
+        "i8": r.integers(-128, 127, (33,), dtype=np.int8),
+        "u8": r.integers(0, 255, (2, 9), dtype=np.uint8),
+        "i16": r.integers(-999, 999, (11,), dtype=np.int16),
+        "i32": r.integers(-2**31, 2**31 - 1, (6, 2), dtype=np.int32),
+        "i64": r.integers(-2**62, 2**62, (5,), dtype=np.int64),
+        "u16": r.integers(0, 60000, (4,), dtype=np.uint16),
+        "bool": r.integers(0, 2, (3, 7)).astype(bool),
+        "scalar": np.array(3.5, dtype=np.float32),
+        "empty": np.zeros((0,), dtype=np.float32),
+        "empty2d": np.zeros((4, 0), dtype=np.float16),
+    }
+
+
+def save_numpy_model(directory: Path, tensors: dict[str, np.ndarray],
+                     name: str = "model.safetensors") -> Path:
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / name), metadata={"format": "np"})
+    return directory / name
+
+
+def bf16_model(directory: Path, seed: int = 1) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """A file with bf16 and fp8 tensors (raw bytes) and an unaligned f32 tensor."""
+    r = rng(seed)
+    tensors = {
+        "w_bf16": ("BF16", (8, 16), r.integers(0, 65535, 128, dtype=np.uint16).tobytes()),
+        "w_fp8": ("F8_E4M3", (64,), r.integers(0, 255, 64, dtype=np.uint8).tobytes()),
+        "odd_u8": ("U8", (3,), b"\x01\x02\x03"),
+        # After 3 bytes: this f32 tensor sits at an offset that is not a multiple of 4.
+        "unaligned_f32": ("F32", (5,), r.standard_normal(5).astype("<f4").tobytes()),
+        "empty_bf16": ("BF16", (0, 3), b""),
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    write_raw(directory / "model.safetensors", tensors)
+    (directory / "config.json").write_text(json.dumps({"model_type": "test"}))
+    return tensors
+
+
+def many_small_model(directory: Path, count: int = 2000) -> dict[str, np.ndarray]:
+    r = rng(2)
+    tensors = {f"layer.{i}.w": r.standard_normal(int(r.integers(0, 40))).astype(np.float32)
+               for i in range(count)}
+    save_numpy_model(directory, tensors)
+    return tensors
+
+
+def large_model(directory: Path, nbytes: int = 64 * MiB) -> dict[str, np.ndarray]:
+    r = rng(3)
+    tensors = {"big": r.integers(0, 2**31, nbytes // 4, dtype=np.int32).view(np.float32),
+               "tail": np.arange(10, dtype=np.float32)}
+    save_numpy_model(directory, tensors)
+    return tensors
+
+
+def sharded_model(directory: Path, shards: int = 3, per_shard: int = 4) -> dict[str, np.ndarray]:
+    """A Hugging Face style sharded model: shards, an index json and config files."""
+    from safetensors.numpy import save_file
+
+    r = rng(4)
+    directory.mkdir(parents=True, exist_ok=True)
+    everything: dict[str, np.ndarray] = {}
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {f"layers.{s}.{j}.weight": r.standard_normal((64, 32 + j)).astype(np.float16)
+                for j in range(per_shard)}
+        save_file(part, str(directory / fname))
+        everything.update(part)
+        weight_map.update({k: fname for k in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(a.nbytes for a in everything.values())},
+         "weight_map": weight_map}))
+    (directory / "config.json").write_text(json.dumps({"num_hidden_layers": shards}))
+    (directory / "tokenizer").mkdir()
+    (directory / "tokenizer" / "vocab.txt").write_text("a\nb\nc\n")
+    return everything
+
+
+def volume_file(path: Path, size: int = 64 * MiB) -> Path:
+    """A sparse file standing in for a devdax volume (size a multiple of 2 MiB)."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def tree_digest(directory: Path) -> dict[str, bytes]:
+    """Relative path -> content of every file below ``directory``."""
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def staged_volume(src: Path, path: Path, size: int = 64 * MiB, name: str = "m") -> Path:
+    """Stage ``src`` into a fresh plain-file volume at ``path``."""
+    from csi_pmem.loader import open_volume, stage
+
+    volume_file(path, size)
+    with open_volume(path, writable=True) as vol:
+        stage(vol, str(src), name=name)
+    return path

@@ -1,0 +1,92 @@
+"""Smoke test of benchmarks/bench_driver.py: it runs, reports every metric, cleans up.
+
+Why: a benchmark nobody runs rots silently (an RPC signature changes, a flag is renamed)
+and is found broken the day someone needs the numbers. This runs it with --quick and
+checks the shape of the JSON only; timings are never asserted (a CI host is too noisy
+for that, and a slow number is information, not a failure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks" / "bench_driver.py"
+
+# Listed here on purpose rather than imported: dropping a metric must fail this test.
+METRICS = {
+    "create_erase_off": ("p50", "p90", "p99"),
+    "delete_erase_off": ("p50", "p90", "p99"),
+    "create_delete_erase_off": ("p50", "p90", "p99"),
+    "create_erase_on": ("p50", "p90", "p99"),
+    "delete_erase_on": ("p50", "p90", "p99"),
+    "create_delete_erase_on": ("p50", "p90", "p99"),
+    "node_publish": ("p50", "p90", "p99"),
+    "node_unpublish": ("p50", "p90", "p99"),
+    "dax_open_volume": ("p50", "p90", "p99"),
+    "get_capacity": ("p50", "p90", "p99"),
+    "get_capacity_loaded": ("p50", "p90", "p99"),
+    "startup_empty": ("median", "min", "max"),
+    "startup_published": ("median", "min", "max"),
+    "rss_idle": ("value",),
+    "rss_loaded": ("value",),
+    "rss_restarted_loaded": ("value",),
+}
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for tmpfs mounts")
+def test_bench_driver_quick_json(tmp_path):
+    pools = Path(tempfile.mkdtemp(prefix="bench-smoke-",
+                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    work = tmp_path / "work"
+    work.mkdir()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(BENCH), "--quick", "--json", "--pool-dir", str(pools),
+             "--work-dir", str(work)],
+            capture_output=True, text=True, timeout=240, cwd=ROOT)
+        assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        report = json.loads(proc.stdout)
+
+        assert report["machine"]["cpus"] > 0 and report["machine"]["kernel"]
+        assert report["date"]
+        assert report["config"]["quick"] is True
+        metrics = report["metrics"]
+        assert sorted(metrics) == sorted(METRICS)
+        for name, stats in METRICS.items():
+            m = metrics[name]
+            assert m["unit"] and m["n"] >= 1, name
+            for stat in stats:
+                value = m[stat]
+                assert isinstance(value, (int, float)) and value > 0, (name, stat, value)
+
+        # Cleanup: no temp dir, pool file, mount or driver process left behind.
+        assert list(work.iterdir()) == [], list(work.iterdir())
+        assert list(pools.iterdir()) == [], list(pools.iterdir())
+        with open("/proc/self/mountinfo") as f:
+            leftovers = [line for line in f if str(work) in line or str(pools) in line]
+        assert leftovers == []
+        assert [pid for pid in _pids() if str(work) in _cmdline(pid)] == []
+    finally:
+        shutil.rmtree(pools, ignore_errors=True)
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdecimal()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
