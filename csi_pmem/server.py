@@ -95,11 +95,19 @@ class Server:
     def _start_watcher(self) -> None:
         from csi_pmem.udev import DeviceWatcher
 
+        abnormal: set[str] = set()
+
         def changed(action: str, device: str) -> None:
+            """Re-read the devices; log volumes whose device vanished or came back."""
+            self.backend.invalidate()
             for rec in self.driver.list_volumes():
                 cond = self.driver.condition(rec)
-                if cond.abnormal:
-                    log.error("volume %s: %s", rec.id, cond.message)
+                if cond.abnormal and rec.id not in abnormal:
+                    abnormal.add(rec.id)
+                    log.error("volume %s is abnormal: %s", rec.id, cond.message)
+                elif not cond.abnormal and rec.id in abnormal:
+                    abnormal.discard(rec.id)
+                    log.info("volume %s is healthy again: %s", rec.id, cond.message)
 
         self.watcher = DeviceWatcher(changed, poll_interval=self.cfg.device_poll_seconds)
         self.watcher.start()

@@ -740,3 +740,20 @@ def test_watcher_with_the_real_pyudev_starts_and_stops():
     finally:
         watcher.stop()
     assert not watcher.running
+
+
+# ------------------------------------------------------------------------- cache
+def test_reads_share_one_listing_until_invalidated(sysroot):
+    runner = FakeRunner(load("list_two_regions"))
+    b = backend(runner, sysroot("two_regions"), cache_seconds=60)
+    b.pools()
+    b.namespaces()
+    b.pools()
+    assert runner.calls == [LIST_ARGV]  # one ndctl call for three reads
+    b.invalidate()  # what the device watcher does on a uevent
+    b.pools()
+    assert runner.calls == [LIST_ARGV, LIST_ARGV]
+    b0 = backend(runner, sysroot("two_regions"), cache_seconds=0)
+    b0.pools()
+    b0.pools()
+    assert runner.calls == [LIST_ARGV] * 4  # no cache: every read lists

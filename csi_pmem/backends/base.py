@@ -104,5 +104,8 @@ class Backend(abc.ABC):
 
         return os.path.exists(ns.device)
 
+    def invalidate(self) -> None:
+        """Forget cached listings (called on device events); no-op without a cache."""
+
     def close(self) -> None:
         """Release resources (threads, caches). Namespaces stay."""

@@ -267,13 +267,20 @@ class NdctlBackend(Backend):
     zeroes_new_namespaces = False  # old data may be there: the driver erases new volumes
 
     def __init__(self, runner: Runner | None = None, ndctl: str = "ndctl",
-                 sysfs_root: str | os.PathLike = "/sys", timeout: float = 120):
+                 sysfs_root: str | os.PathLike = "/sys", timeout: float = 120,
+                 cache_seconds: float = 5.0):
         self._runner = runner if runner is not None else Runner()
         self._ndctl = ndctl
         self._sysfs = Sysfs(sysfs_root)
         self._timeout = timeout
         self._learned: dict[str, tuple[str, float]] = {}
         self._learned_lock = threading.Lock()  # pools() may run outside the node lock
+        # Reads (GetCapacity, ListVolumes, metrics scrapes) share one listing for a short
+        # while; create/destroy always list afresh and drop it, and the device watcher
+        # drops it on every nd/dax uevent, so it is never stale about our own changes.
+        self.cache_seconds = cache_seconds
+        self._cache: tuple[float, _Listing] | None = None
+        self._cache_lock = threading.Lock()
 
     # -- listing --------------------------------------------------------------------
     def _list(self) -> _Listing:
@@ -282,18 +289,32 @@ class NdctlBackend(Backend):
         # found), the dax devices (--verbose implies -X) and DIMM mappings (--dimms).
         argv = [self._ndctl, "list", "--regions", "--namespaces", "--dimms", "--idle",
                 "--verbose"]
-        return _normalise(self._runner.run_json(argv, timeout=self._timeout))
+        listing = _normalise(self._runner.run_json(argv, timeout=self._timeout))
+        with self._cache_lock:
+            self._cache = (time.monotonic(), listing)
+        return listing
+
+    def _cached_list(self) -> _Listing:
+        with self._cache_lock:
+            cached = self._cache
+        if cached is not None and time.monotonic() - cached[0] < self.cache_seconds:
+            return cached[1]
+        return self._list()
+
+    def invalidate(self) -> None:
+        with self._cache_lock:
+            self._cache = None
 
     @staticmethod
     def _pmem_regions(listing: _Listing) -> Iterable[dict[str, Any]]:
         return (r for r in listing.regions if r.get("type", "pmem") == "pmem" and r.get("dev"))
 
     def pools(self) -> list[Pool]:
-        listing = self._list()
+        listing = self._cached_list()
         return [self._pool(r, listing) for r in self._pmem_regions(listing)]
 
     def namespaces(self) -> list[Namespace]:
-        listing = self._list()
+        listing = self._cached_list()
         out = []
         for region in self._pmem_regions(listing):
             pool = self._pool(region, listing)
@@ -505,6 +526,7 @@ class NdctlBackend(Backend):
         target = self._usable_pool(listing, pool, size, align)
         argv = [self._ndctl, "create-namespace", f"--region={pool}", "--mode=devdax",
                 "--map=dev", f"--size={size}", f"--align={align}", f"--name={name}"]
+        self.invalidate()
         try:
             out = self._runner.run_json(argv, timeout=self._timeout)
         except CommandError as e:
@@ -637,6 +659,7 @@ class NdctlBackend(Backend):
         if not name:
             raise InvalidArgument("refusing to destroy a namespace without a name")
         found = self._list().named(name, OUR_MODES)
+        self.invalidate()
         for region, ns in found:
             handle = str(ns["dev"])
             log.info("destroying %s (%s) on %s", handle, name, region.get("dev"))
