@@ -4,10 +4,14 @@ PY := .venv/bin/python
 RUN_DIR ?= /tmp/csi-pmem
 export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
 
-.PHONY: setup run test unit lint proto proto-check sanity bench clean
+.PHONY: setup tools run test unit lint proto proto-check sanity bench clean
 
 setup:
 	@bash scripts/setup.sh
+
+# Conformance and test tools built from the Go module proxy, cached outside the repo.
+tools:
+	@bash scripts/install-csi-sanity.sh >/dev/null
 
 # The driver on its embedded default: emulated back end, two 2 GiB NUMA pools,
 # state, pools and kubelet directory under $(RUN_DIR). Publishing mounts tmpfs: run as root.
@@ -17,8 +21,8 @@ run: setup
 	  --state-dir $(RUN_DIR)/state --kubelet-dir $(RUN_DIR)/kubelet \
 	  --metrics-address 127.0.0.1:9670
 
-test: setup proto-check lint
-	$(PY) -m pytest -q -ra --durations=15 tests
+test: setup tools proto-check lint
+	CSI_SANITY_REQUIRED=1 $(PY) -m pytest -q -ra --durations=15 tests
 
 unit: setup
 	$(PY) -m pytest -q -ra tests
@@ -32,8 +36,8 @@ proto: setup
 proto-check: setup
 	$(PY) scripts/gen_proto.py --check
 
-sanity: setup
-	$(PY) -m pytest -q -ra tests/test_csi_sanity.py
+sanity: setup tools
+	CSI_SANITY_REQUIRED=1 $(PY) -m pytest -q -ra -s tests/test_csi_sanity.py
 
 bench: setup
 	$(PY) benchmarks/bench_driver.py

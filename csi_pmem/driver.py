@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
@@ -33,6 +34,7 @@ from csi_pmem.erase import zero_fd
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
+    CommandError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -61,7 +63,22 @@ VOLUME_ID_PREFIX = "pmem-"
 METADATA_FILE = "volume.json"
 SOCKET_FILE = "dax.sock"
 MAX_NAME_BYTES = 128
+# How long an unmount may keep failing with EBUSY before the call gives up (see _umount).
+UMOUNT_BUSY_SECONDS = 5.0
 PATH_MAX, NAME_MAX = 4096, 255  # Linux limits, in bytes (PATH_MAX counts the NUL)
+
+
+def promised_size(usable: int, limit: int, align: int) -> int:
+    """The size a volume reports and hands out: all of the device, capped by the limit.
+
+    Region alignment can make the smallest namespace offer more than limit_bytes; the
+    CO must then still see a capacity within its range, so the volume advertises the
+    limit (rounded down to the devdax align, since mappings come in align steps) and the
+    excess stays unused.
+    """
+    if not limit:
+        return usable
+    return min(usable, round_down(limit, align))
 
 
 def volume_id_for(name: str) -> str:
@@ -181,14 +198,15 @@ class Driver:
         failpoints.hit(failpoints.CREATE_AFTER_NAMESPACE)
         if not getattr(self.backend, "zeroes_new_namespaces", False):
             self._erase(ns)  # the region may hold data of a volume deleted without erase
-        record = replace(record, state=READY, size=ns.size, usable_size=ns.usable_size,
+        capacity = promised_size(ns.usable_size, limit, params.align)
+        record = replace(record, state=READY, size=ns.size, usable_size=capacity,
                          device=ns.device, numa_node=ns.numa_node)
-        if ns.usable_size < required:
+        if capacity < required:
             raise BackendError(
                 f"namespace {vid} offers {ns.usable_size} bytes, below the {required} requested")
         self.store.put(record)
-        log.info("created volume %s (%s) in %s: %s usable, device %s", vid, name, pool.name,
-                 format_bytes(ns.usable_size), ns.device)
+        log.info("created volume %s (%s) in %s: %s usable (device %s, %s)", vid, name,
+                 pool.name, format_bytes(capacity), ns.device, format_bytes(ns.usable_size))
         return record
 
     def _choose_pool(self, request: int, limit: int, params: VolumeParams) -> tuple[Pool, int, int]:
@@ -208,12 +226,13 @@ class Driver:
         sized = []
         for p in usable_pools:
             size, usable = allocation_for(request, params.align, p.align)
-            if limit and usable > limit:
+            capacity = promised_size(usable, limit, params.align)
+            if capacity < request:
                 raise OutOfRange(
-                    f"the smallest volume of at least {request} bytes with align "
-                    f"{format_bytes(params.align)} offers {usable} bytes, above limit_bytes "
-                    f"{limit}; raise the limit or use a smaller align")
-            sized.append((p, size, usable))
+                    f"no volume of at least {request} bytes fits under limit_bytes {limit} "
+                    f"with align {format_bytes(params.align)} (sizes come in "
+                    f"{format_bytes(params.align)} steps); raise the limit")
+            sized.append((p, size, capacity))
         fits_ever = [s for s in sized if s[1] <= s[0].size]
         if not fits_ever:
             biggest = max(p.size for p in usable_pools)
@@ -475,7 +494,29 @@ class Driver:
             mounts.remount(target, readonly=False)  # so the socket file can be removed
         self.dax.stop(os.path.join(target, SOCKET_FILE))
         if ours:
-            mounts.umount(target)
+            self._umount(target)
+
+    @staticmethod
+    def _umount(target: str) -> None:
+        """Unmount, retrying for a moment while the kernel says the target is busy.
+
+        Why: every mount/umount this process runs for another volume forks, and until the
+        child execs it holds a copy of all our fds, including the dax.sock listener just
+        closed by stop(); a listener's bound path pins the tmpfs, so a concurrent
+        unpublish sees EBUSY for a few milliseconds. A mount that stays busy still fails.
+        """
+        deadline = time.monotonic() + UMOUNT_BUSY_SECONDS
+        delay = 0.005
+        while True:
+            try:
+                mounts.umount(target)
+                return
+            except CommandError as exc:
+                if "busy" not in exc.stderr or time.monotonic() + delay > deadline:
+                    raise
+                log.debug("%s is busy; unmounting again in %.3f s", target, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
     def _undo_publish(self, rec: VolumeRecord, target: str) -> None:
         self._stop_and_umount(rec.id, target)

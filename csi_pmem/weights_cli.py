@@ -17,8 +17,7 @@ import os
 import sys
 import time
 
-from csi_pmem.loader import errors
-from csi_pmem.loader import staging
+from csi_pmem.loader import errors, staging
 from csi_pmem.loader.layout import INDEX_AREA, read_index
 from csi_pmem.loader.volume import MiB, format_size, open_volume
 
@@ -151,7 +150,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     with open_volume(args.volume) as vol:
         view = open_model(vol, args.model)
-        results = bench.run_cpu(view, threads=args.threads or 8, buffers=args.buffers,
+        results = bench.run_cpu(view, threads=args.threads or 12, buffers=args.buffers,
                                 buffer_size=args.buffer_size, repeat=args.repeat)
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=1))
@@ -205,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="CPU-path throughput (views, memcpy, verify)")
     b.add_argument("volume", metavar="VOLUME")
-    b.add_argument("--buffers", type=int, default=12)
-    b.add_argument("--buffer-size", type=parse_size, default=32 * MiB)
+    b.add_argument("--buffers", type=int, default=24)
+    b.add_argument("--buffer-size", type=parse_size, default=16 * MiB)
     b.add_argument("--repeat", type=int, default=3)
     b.add_argument("--json", action="store_true")
     common(b)

@@ -90,9 +90,14 @@ def test_size_errors(driver):
         grpc.StatusCode.RESOURCE_EXHAUSTED
     assert code_of(driver.create, "lim", size=100 * MiB, limit=50 * MiB) == \
         grpc.StatusCode.INVALID_ARGUMENT
-    # The smallest usable size for 1 byte with 1Gi align is 1 GiB: above a 10 MiB limit.
+    # With 1Gi align sizes come in 1 GiB steps: nothing fits under a 10 MiB limit.
     assert code_of(driver.create, "lim2", size=1, limit=10 * MiB, params={"align": "1Gi"}) \
         == grpc.StatusCode.OUT_OF_RANGE
+    # required == limit: the region align over-allocates, the volume advertises the limit.
+    exact = driver.create("exact", size=64 * MiB, limit=64 * MiB, params={"numaNode": "1"})
+    assert exact.volume.capacity_bytes == 64 * MiB
+    assert exact.volume.volume_context["usableSize"] == str(64 * MiB)
+    driver.delete(exact.volume.volume_id)
     assert code_of(driver.controller.CreateVolume, csi_pb2.CreateVolumeRequest(
         name="nosize", volume_capabilities=[mount_cap()])) == grpc.StatusCode.INVALID_ARGUMENT
     driver.delete(big.volume_id)

@@ -109,6 +109,23 @@ def test_auto_mode_registers_a_reused_mapping(models):
 
 
 @cuda
+def test_refused_registration_falls_back_loudly(models, monkeypatch, caplog):
+    from csi_pmem.loader import registered
+    from csi_pmem.loader.gpu import GpuLoader
+
+    def refuse(self, start, end):
+        raise registered.RegistrationError("cudaHostRegister refused (simulated)")
+
+    monkeypatch.setattr(registered.Registration, "ensure", refuse)
+    vol = lm.staged_volume(models / "np", models / "v")
+    with GpuLoader("cuda:0", mode="registered") as loader:
+        got = load_safetensors(str(vol), "cuda:0", loader=loader)
+        assert loader.last_path == "bounce"
+    assert "refused (simulated)" in caplog.text and "bounce buffers" in caplog.text
+    assert_same(got, reference(models / "np"))
+
+
+@cuda
 def test_gpu_load_refuses_corrupt_data(models):
     vol = lm.staged_volume(models / "np", models / "v")
     with open_volume(vol) as v:

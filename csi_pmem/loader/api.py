@@ -106,7 +106,9 @@ def _verify(handle: LoadHandle, selection: dict[str, list[TensorInfo]],
             (t.offset, t.offset + max(t.nbytes, 1)) for t in tensors]
     chunks = checksum.model_chunks(view.model, [view.file(f) for f in selection], ranges)
     started = time.monotonic()
-    fut = checksum.start_verify(view.volume, chunks, threads=threads)
+    # Every allowed CPU: hashing is the slow part of a verified load.
+    fut = checksum.start_verify(view.volume, chunks,
+                                threads=threads or len(os.sched_getaffinity(0)))
 
     def relay(f: Future[list[checksum.Mismatch]]) -> None:
         exc = f.exception()

@@ -66,8 +66,8 @@ class _HostBackend:
         pass
 
 
-def run_cpu(view: ModelView, *, threads: int = 8, buffers: int = 12,
-            buffer_size: int = 32 * MiB, repeat: int = 3) -> list[Result]:
+def run_cpu(view: ModelView, *, threads: int = 12, buffers: int = 24,
+            buffer_size: int = 16 * MiB, repeat: int = 3) -> list[Result]:
     """Views, read-through, bounce fill, checksum verification, and a memcpy baseline."""
     import numpy as np
 

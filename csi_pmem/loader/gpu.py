@@ -1,18 +1,18 @@
-"""The GPU path (torch, imported lazily): bounce buffers or a registered mapping.
+"""The GPU path (torch, imported lazily): bounce buffers, or a registered mapping.
 
 Why two paths (DESIGN.md 1.3):
-- Bounce: a few pinned buffers allocated once per loader, filled by memcpy threads on
-  the volume's NUMA node and drained by one CUDA stream (see :mod:`.pipeline`). Costs
-  CPU and memory bandwidth, needs nothing from the mapping, works for any volume.
-- Registered: ``cudaHostRegister`` the model's ranges of the mapping once (about
-  0.03 s/GiB with 2 MiB pages, 0.1 with 4 KiB), then the copy engine reads the volume
-  directly with no CPU copy. Worth it only when the mapping is loaded from again, so
-  ``mode="auto"`` registers a volume on its ``auto_register_after``-th load through the
-  same loader. Registration is refused on fsdax files and some sandboxes; then we log a
-  warning and use the bounce path, never silently.
+- Bounce (:mod:`.pipeline`): pinned buffers allocated once per loader, filled by memcpy
+  threads on the volume's NUMA node and drained by one CUDA stream. Works for any
+  mapping; costs CPU and memory bandwidth (each byte is read, written, read again).
+- Registered (:mod:`.registered`): the model's ranges of the mapping are registered
+  with CUDA once; copies then run at link speed with no CPU work. Registration costs
+  0.03-0.1 s/GiB, so it is chosen when a mapping is loaded from again: ``mode="auto"``
+  registers on the ``auto_register_after``-th load of the same open :class:`Volume`
+  through this loader (or call :meth:`GpuLoader.register` ahead of time). A refused
+  registration is logged as a warning and the load uses bounce buffers, never silently.
 
-Device placement: one device buffer per file; tensors are views into it (see
-:func:`.plan.place`), so a whole-file load is a stream of full-buffer transfers.
+Device placement: one device buffer per file, tensors are views into it (see
+:func:`.plan.place`), so a whole-file load is a stream of large transfers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import ctypes
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,27 +30,24 @@ from csi_pmem.loader.cpu import torch_dtype
 from csi_pmem.loader.model import ModelView
 from csi_pmem.loader.numa import node_cpus
 from csi_pmem.loader.pipeline import BouncePipeline
+from csi_pmem.loader.registered import (
+    DIRECT_CHUNK,
+    Registration,
+    RegistrationError,
+    copy_direct,
+    register_pieces,
+)
 from csi_pmem.loader.stformat import TensorInfo
-from csi_pmem.loader.volume import MiB, Volume, format_size
+from csi_pmem.loader.volume import MiB, format_size
 
 log = logging.getLogger(__name__)
-
-# cudaHostRegister flags (cuda_runtime_api.h).
-HOST_REGISTER_PORTABLE = 0x01
-HOST_REGISTER_READ_ONLY = 0x08
-# Single registrations of 512 GiB and more fail on recent drivers (DESIGN.md 1.3).
-REGISTER_CHUNK = 64 << 30
-DIRECT_CHUNK = 256 * MiB
 
 BOUNCE = "bounce"
 REGISTERED = "registered"
 AUTO = "auto"
 
 TensorDone = Callable[[str, Any], None]
-
-
-class RegistrationError(RuntimeError):
-    pass
+FileDone = Callable[[str, dict[str, Any]], None]
 
 
 def _torch() -> Any:
@@ -77,7 +73,7 @@ class _TorchBackend:
                   format_size(buffer_size), time.monotonic() - started)
 
     def thread_init(self) -> None:
-        # Current device and stream are per thread in CUDA and torch.
+        # The current device and stream are per thread, in CUDA and in torch.
         torch = _torch()
         torch.cuda.set_device(self.device)
         torch.cuda.set_stream(self.stream)
@@ -94,90 +90,70 @@ class _TorchBackend:
         self.events[buf].synchronize()
 
 
-class Registration:
-    """``cudaHostRegister``-ed ranges of one mapping, unregistered by :meth:`close`."""
-
-    def __init__(self, volume: Volume, ranges: list[tuple[int, int]]):
-        torch = _torch()
-        self.volume = volume
-        self.cudart = torch.cuda.cudart()
-        flags = HOST_REGISTER_PORTABLE | (0 if volume.writable else HOST_REGISTER_READ_ONLY)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            # Holding this tensor keeps the mapping alive while it is registered.
-            self.source = torch.frombuffer(volume.mapping, dtype=torch.uint8)
-        self.addresses: list[int] = []
-        self.boundaries: list[int] = []
-        self.nbytes = 0
-        started = time.monotonic()
-        try:
-            for start, end in ranges:
-                for off in range(start, end, REGISTER_CHUNK):
-                    length = min(REGISTER_CHUNK, end - off)
-                    err = self.cudart.cudaHostRegister(volume.address + off, length, flags)
-                    if int(err) != 0:
-                        raise RegistrationError(
-                            f"cudaHostRegister of {format_size(length)} at volume offset "
-                            f"{off} failed: {_cuda_error(err)}")
-                    self.addresses.append(volume.address + off)
-                    self.boundaries += [off, off + length]
-                    self.nbytes += length
-        except BaseException:
-            self.close()
-            raise
-        self.seconds = time.monotonic() - started
-        log.info("registered %s of %s with CUDA in %.3f s (%.3f s/GiB)",
-                 format_size(self.nbytes), volume.source, self.seconds,
-                 self.seconds / max(self.nbytes / (1 << 30), 1e-9))
-
-    def close(self) -> None:
-        for addr in self.addresses:
-            self.cudart.cudaHostUnregister(addr)
-        self.addresses = []
-
-
-def _cuda_error(err: Any) -> str:
-    try:
-        return f"{_torch().cuda.cudart().cudaGetErrorString(err)} ({int(err)})"
-    except Exception:  # older torch has no cudaGetErrorString binding
-        return f"cudaError {int(err)}"
-
-
 @dataclass
 class FileTarget:
-    """One file's device buffer, placements and tensor views."""
+    """One file's placements, device buffer (allocated on demand) and tensor views."""
 
     name: str
+    infos: dict[str, TensorInfo]
     placements: list[planning.Placement]
-    buffer: Any
+    size: int
+    buffer: Any = None
     tensors: dict[str, Any] = field(default_factory=dict)
+    unaligned: dict[str, planning.Placement] = field(default_factory=dict)
 
+    def allocate(self, device: Any) -> Any:
+        if self.buffer is None:
+            torch = _torch()
+            self.buffer = torch.empty(self.size, dtype=torch.uint8, device=device)
+            for p in self.placements:
+                view = self._view(p, self.infos[p.name])
+                if view is None:
+                    self.unaligned[p.name] = p
+                else:
+                    self.tensors[p.name] = view
+        return self.buffer
 
-def device_tensor(buffer: Any, p: planning.Placement, t: TensorInfo) -> Any:
-    """A view of ``t`` inside its file's device buffer, or a copy target of its own when
-    the offset is not aligned for the dtype (files written without padding)."""
-    torch = _torch()
-    dtype = torch_dtype(t.dtype)
-    if t.nbytes == 0:
-        return torch.empty(t.shape, dtype=dtype, device=buffer.device)
-    raw = buffer[p.dst:p.dst + p.nbytes]
-    if dtype is torch.uint8 and t.dtype != "U8":
-        return raw  # sub-byte types, or a dtype this torch lacks: flat raw bytes
-    if p.dst % dtype.itemsize:
-        return None  # caller copies it after the transfer
-    return raw.view(dtype).view(t.shape)
+    def _view(self, p: planning.Placement, t: TensorInfo) -> Any:
+        torch = _torch()
+        dtype = torch_dtype(t.dtype)
+        if t.nbytes == 0:
+            return torch.empty(t.shape, dtype=dtype, device=self.buffer.device)
+        raw = self.buffer[p.dst:p.dst + p.nbytes]
+        if dtype is torch.uint8 and t.dtype != "U8":
+            return raw  # sub-byte types, or a dtype this torch lacks: flat raw bytes
+        if p.dst % dtype.itemsize:
+            return None  # a file without padding: copied into its own tensor when done
+        return raw.view(dtype).view(t.shape)
+
+    def finish(self, name: str) -> Any:
+        """The finished tensor (copying an unaligned one into a tensor of its own)."""
+        p = self.unaligned.pop(name, None)
+        if p is not None:
+            torch = _torch()
+            t = self.infos[name]
+            device = self.buffer.device
+            # The bytes are on the device already (we waited for their transfer); copy on
+            # the default stream so the copy stream keeps its queue.
+            stream = torch.cuda.default_stream(device)
+            with torch.cuda.stream(stream):
+                out = torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device)
+                out.view(-1).view(torch.uint8).copy_(self.buffer[p.dst:p.dst + p.nbytes])
+            stream.synchronize()
+            self.tensors[name] = out
+        return self.tensors[name]
 
 
 class GpuLoader:
-    """Loads onto one CUDA device; reuse it: buffers, threads and registrations persist.
+    """Loads onto one CUDA device; keep it: buffers, threads and registrations persist.
 
-    ``threads`` memcpy threads are pinned to the CPUs of the volume's NUMA node;
-    ``buffers`` pinned buffers of ``buffer_size`` bytes are allocated on first use.
+    Defaults come from an H200 host (16 cores): 12 memcpy threads and 24 x 16 MiB
+    pinned buffers gave the best bounce throughput (see docs/loader-benchmark.md).
     """
 
-    def __init__(self, device: str | Any = "cuda", *, buffers: int = 12,
-                 buffer_size: int = 32 * MiB, threads: int = 8, mode: str = AUTO,
-                 auto_register_after: int | None = 3):
+    def __init__(self, device: str | Any = "cuda", *, buffers: int = 24,
+                 buffer_size: int = 16 * MiB, threads: int = 12, mode: str = AUTO,
+                 auto_register_after: int | None = 2):
         torch = _torch()
         if mode not in (AUTO, BOUNCE, REGISTERED):
             raise ValueError(f"mode must be {AUTO}, {BOUNCE} or {REGISTERED}")
@@ -196,7 +172,6 @@ class GpuLoader:
         self._lock = threading.Lock()
         self.last_path: str | None = None
 
-    # -- lifecycle --------------------------------------------------------------
     def close(self) -> None:
         with self._lock:
             for p in self._pipelines.values():
@@ -213,23 +188,31 @@ class GpuLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def register(self, view: ModelView) -> Registration:
-        """Register the model's safetensors ranges of the mapping (idempotent)."""
-        key = id(view.volume.mapping)
-        reg = self._registrations.get(key)
-        if reg is None:
-            vol = view.volume
-            ranges = [(f.offset, min(vol.size, planning.round_up(f.end, vol.align)))
-                      for f in view.model.safetensors]
-            reg = Registration(vol, _merge(ranges))
-            self._registrations[key] = reg
-        return reg
-
     def prepare(self, numa_node: int | None = None) -> None:
-        """Allocate the pinned buffers and start the memcpy threads now, not on the
-        first load (pinned allocation costs about 0.4 s/GiB)."""
+        """Allocate the pinned buffers and start the memcpy threads now rather than in
+        the first load (pinned allocation costs about 0.4 s/GiB)."""
         with self._lock:
             self._pipeline(numa_node)
+
+    def register(self, view: ModelView) -> Registration:
+        """Register the model's ranges of the mapping now (e.g. while a server starts)."""
+        with self._lock:
+            reg = self._registration(view)
+            for start, end in self._pieces(view):
+                reg.ensure(start, end)
+            return reg
+
+    def _registration(self, view: ModelView) -> Registration:
+        key = id(view.volume.mapping)
+        if key not in self._registrations:
+            self._registrations[key] = Registration(view.volume)
+        return self._registrations[key]
+
+    @staticmethod
+    def _pieces(view: ModelView) -> list[tuple[int, int]]:
+        vol = view.volume
+        return register_pieces([(f.offset, min(vol.size, planning.round_up(f.end, vol.align)))
+                                for f in view.model.safetensors])
 
     def _pipeline(self, numa_node: int | None) -> BouncePipeline:
         if self._backend is None:
@@ -243,133 +226,105 @@ class GpuLoader:
             self._pipelines[numa_node] = pipe
         return pipe
 
-    def _choose(self, view: ModelView) -> Registration | None:
+    def _wants_registration(self, view: ModelView) -> bool:
         key = id(view.volume.mapping)
         self._loads[key] = self._loads.get(key, 0) + 1
-        want = self.mode == REGISTERED or key in self._registrations or (
-            self.mode == AUTO and self.auto_register_after is not None
+        if self.mode == BOUNCE:
+            return False
+        return self.mode == REGISTERED or key in self._registrations or (
+            self.auto_register_after is not None
             and self._loads[key] >= self.auto_register_after)
-        if not want or self.mode == BOUNCE:
-            return None
-        try:
-            return self.register(view)
-        except RegistrationError as exc:
-            log.warning("%s; loading through pinned bounce buffers instead (slower than "
-                        "a registered mapping, and uses memcpy threads)", exc)
-            if self.mode == AUTO:
-                self.auto_register_after = None  # do not retry (and warn) every load
-            return None
 
-    # -- loading ----------------------------------------------------------------
     def load(self, view: ModelView, selection: dict[str, list[TensorInfo]],
-             on_tensor: TensorDone, on_file: Callable[[str, dict[str, Any]], None]) -> str:
-        """Copy ``selection`` to the device; callbacks fire as tensors/files complete.
+             on_tensor: TensorDone, on_file: FileDone) -> str:
+        """Copy ``selection`` to the device; callbacks fire as tensors and files land.
 
-        Returns the path used ("bounce" or "registered").
+        Returns the path used, ``"bounce"`` or ``"registered"``.
         """
-        torch = _torch()
         with self._lock:
-            registration = self._choose(view)
-            path = REGISTERED if registration else BOUNCE
-            self.last_path = path
-            targets, chunks, completions, fixups = self._plan(view, selection, registration)
+            targets = []
+            for fname, tensors in selection.items():
+                placements, size = planning.place(tensors)
+                targets.append(FileTarget(fname, {t.name: t for t in tensors}, placements,
+                                          size))
             left = {t.name: len(t.placements) for t in targets}
-            infos = {t.name: t for ts in selection.values() for t in ts}
 
-            def finish_tensor(target: FileTarget, name: str) -> None:
-                if name in fixups:
-                    raw = target.buffer[fixups[name].dst:fixups[name].dst + fixups[name].nbytes]
-                    out = torch.empty(infos[name].shape, dtype=torch_dtype(infos[name].dtype),
-                                      device=self.device)
-                    out.view(-1).view(torch.uint8).copy_(raw)
-                    torch.cuda.current_stream(self.device).synchronize()
-                    target.tensors[name] = out
-                on_tensor(name, target.tensors[name])
+            def finish(target: FileTarget, name: str) -> None:
+                on_tensor(name, target.finish(name))
                 left[target.name] -= 1
                 if left[target.name] == 0:
                     on_file(target.name, dict(target.tensors))
 
-            for target, completion in zip(targets, completions, strict=True):
-                for name in completion.ready:
-                    finish_tensor(target, name)
-
-            def on_done(chunk: planning.Chunk) -> None:
-                target = targets[chunk.target]
-                for name in completions[chunk.target].done(chunk):
-                    finish_tensor(target, name)
-
-            if registration is not None:
-                self._direct(registration, targets, chunks, on_done)
-            else:
-                pipe = self._pipeline(view.volume.numa_node)
-                assert self._backend is not None
-                self._backend.targets = [t.buffer for t in targets]
-                # The device buffers were allocated on the current stream.
-                self._backend.stream.wait_stream(torch.cuda.current_stream(self.device))
+            path = BOUNCE
+            if self._wants_registration(view):
                 try:
-                    pipe.run(chunks, view.volume.address, on_done)
-                finally:
-                    self._backend.targets = []
+                    self._load_registered(view, targets, finish)
+                    path = REGISTERED
+                except RegistrationError as exc:
+                    log.warning("%s; loading through pinned bounce buffers instead (slower "
+                                "than a registered mapping, and busy memcpy threads)", exc)
+                    self._registrations.pop(id(view.volume.mapping), None)
+                    if self.mode == AUTO:
+                        self.auto_register_after = None  # do not retry (and warn) each load
+            if path == BOUNCE:
+                self._load_bounce(view, targets, finish)
+            self.last_path = path
             return path
 
-    def _plan(self, view: ModelView, selection: dict[str, list[TensorInfo]],
-              registration: Registration | None) -> tuple[
-                  list[FileTarget], list[planning.Chunk], list[planning.Completion],
-                  dict[str, planning.Placement]]:
+    def _load_bounce(self, view: ModelView, targets: list[FileTarget],
+                     finish: Callable[[FileTarget, str], None]) -> None:
         torch = _torch()
-        targets, chunks, completions = [], [], []
-        fixups: dict[str, planning.Placement] = {}
-        for i, (fname, tensors) in enumerate(selection.items()):
-            placements, size = planning.place(tensors)
-            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            target = FileTarget(fname, placements, buffer)
-            by_name = {t.name: t for t in tensors}
-            for p in placements:
-                tensor = device_tensor(buffer, p, by_name[p.name])
-                if tensor is None:
-                    fixups[p.name] = p
-                else:
-                    target.tensors[p.name] = tensor
-            if registration is None:
-                file_chunks = planning.bounce_chunks(placements, self.buffer_size, i,
-                                                     len(chunks))
-            else:
-                file_chunks = planning.direct_chunks(placements, DIRECT_CHUNK,
-                                                     registration.boundaries, i, len(chunks))
+        chunks: list[planning.Chunk] = []
+        completions = []
+        for i, target in enumerate(targets):
+            target.allocate(self.device)
+            file_chunks = planning.bounce_chunks(target.placements, self.buffer_size, i,
+                                                 len(chunks))
+            completions.append(planning.Completion(target.placements, file_chunks))
             chunks += file_chunks
-            completions.append(planning.Completion(placements, file_chunks))
-            targets.append(target)
-        if fixups:
-            log.debug("%d tensors are misaligned in their files; copied once more on the "
-                      "device", len(fixups))
-        return targets, chunks, completions, fixups
+        for target, completion in zip(targets, completions, strict=True):
+            for name in completion.ready:
+                finish(target, name)
 
-    def _direct(self, registration: Registration, targets: list[FileTarget],
-                chunks: list[planning.Chunk], on_done: Callable[[planning.Chunk], None]) -> None:
-        torch = _torch()
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        src = registration.source
-        events = []
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            for c in chunks:
-                p = c.pieces[0]
-                targets[c.target].buffer[c.dst:c.dst + c.nbytes].copy_(
-                    src[p.src:p.src + p.nbytes], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                events.append(ev)
-        for c, ev in zip(chunks, events, strict=True):
-            ev.synchronize()
-            on_done(c)
+        def on_done(chunk: planning.Chunk) -> None:
+            for name in completions[chunk.target].done(chunk):
+                finish(targets[chunk.target], name)
 
+        pipe = self._pipeline(view.volume.numa_node)
+        assert self._backend is not None
+        self._backend.targets = [t.buffer for t in targets]
+        # The device buffers were allocated on the current stream; order ours after it.
+        self._backend.stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            pipe.run(chunks, view.volume.address, on_done)
+        finally:
+            self._backend.targets = []
 
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
+    def _load_registered(self, view: ModelView, targets: list[FileTarget],
+                         finish: Callable[[FileTarget, str], None]) -> None:
+        registration = self._registration(view)
+        pieces = self._pieces(view)
+        edges = sorted({e for p in pieces for e in p})
+        chunks: list[planning.Chunk] = []
+        completions = []
+        for i, target in enumerate(targets):
+            file_chunks = planning.direct_chunks(target.placements, DIRECT_CHUNK, edges, i,
+                                                 len(chunks))
+            completions.append(planning.Completion(target.placements, file_chunks))
+            chunks += file_chunks
 
+        def buffer(i: int) -> Any:
+            if targets[i].buffer is None:
+                targets[i].allocate(self.device)
+                for name in completions[i].ready:
+                    finish(targets[i], name)
+            return targets[i].buffer
+
+        def on_done(chunk: planning.Chunk) -> None:
+            for name in completions[chunk.target].done(chunk):
+                finish(targets[chunk.target], name)
+
+        copy_direct(registration, pieces, sorted(chunks, key=lambda c: c.pieces[0].src),
+                    buffer, self.device, on_done)
+        for i in range(len(targets)):
+            buffer(i)  # files whose tensors are all empty had no transfer

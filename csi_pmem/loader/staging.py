@@ -155,25 +155,30 @@ class _Copier:
         try:
             pending = {}
             left = {}
+            # Digests stay here until the file is complete: the index written meanwhile
+            # (when other files finish) must not carry a half-filled list.
+            digests: dict[str, list[str]] = {}
             for f in files:
                 ranges = chunk_ranges(f.length, self.model.chunk_size)
-                f.chunks = [""] * len(ranges)
+                digests[f.name] = [""] * len(ranges)
                 left[f.name] = len(ranges)
                 for i, (off, length) in enumerate(ranges):
                     fut = pool.submit(_copy_chunk, self.volume, fds[f.name], f, off, length,
                                       self.sources[f.name].path)
                     pending[fut] = (f, i, length)
                 if not ranges:
-                    self._finish(f, fds[f.name])
+                    self._finish(f, fds[f.name], [])
             while pending:
                 finished, _ = wait(pending, return_when=FIRST_EXCEPTION)
-                for fut in finished:
+                # Record every completed chunk before raising a failed one, so a resume
+                # reuses as much as possible.
+                for fut in sorted(finished, key=lambda f: f.exception() is not None):
                     f, i, length = pending.pop(fut)
-                    f.chunks[i] = fut.result()  # raises the first copy error
+                    digests[f.name][i] = fut.result()  # raises the first copy error
                     self.done += length
                     left[f.name] -= 1
                     if left[f.name] == 0:
-                        self._finish(f, fds[f.name])
+                        self._finish(f, fds[f.name], digests[f.name])
                     if self.progress:
                         self.progress(self.done, self.total, f.name)
         finally:
@@ -181,14 +186,14 @@ class _Copier:
             for fd in fds.values():
                 os.close(fd)
 
-    def _finish(self, f: FileEntry, fd: int) -> None:
+    def _finish(self, f: FileEntry, fd: int, digests: list[str]) -> None:
         src = self.sources[f.name]
         st = os.fstat(fd)
         if (st.st_size, st.st_mtime_ns) != (src.size, src.mtime_ns):
             raise LoaderError(f"{src.path} changed while it was being staged; run stage "
                               "again once the source is complete")
         self.volume.flush(f.offset, f.length)
-        f.done = True
+        f.chunks, f.done = digests, True
         write_index(self.volume, self.index)
         log.info("staged %s (%s)", f.name, format_size(f.length))
 

@@ -67,8 +67,9 @@ say "kernel and initramfs: $kdir"
 # recompile on every start (a few seconds each under TCG).
 "$py" -m compileall -q -j0 "$repo/csi_pmem" "$repo/tests" "$repo/e2e" >/dev/null || true
 
-rm -rf "$out_root"
 mkdir -p "$out_root"
+for c in "${configs[@]}"; do rm -rf "${out_root:?}/$c"; done
+rm -f "$out_root/summary.json"
 work="$(mktemp -d "${TMPDIR:-/tmp}/csi-pmem-e2e-vm.XXXXXX")"
 qemu_pid=""
 cleanup() {

@@ -1,0 +1,119 @@
+"""``csi-pmem-weights`` end to end on plain-file volumes, and the benchmark scripts'
+CPU-only smoke runs (what CI can run without a GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import loader_models as lm
+import pytest
+
+from csi_pmem import weights_cli
+from csi_pmem.loader import layout, load_numpy, open_volume
+from csi_pmem.loader.stformat import read_header_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*argv: str) -> int:
+    return weights_cli.main([str(a) for a in argv])
+
+
+def test_stage_ls_verify_export(tmp_path, capsys):
+    lm.sharded_model(tmp_path / "src")
+    vol = tmp_path / "vol.img"
+    assert cli("stage", tmp_path / "src", vol, "--size", "64Mi", "--name", "llm",
+               "--revision", "r1") == 0
+    out, err = capsys.readouterr()
+    assert "staged llm@r1: 6 files" in out and "stage:" in err  # progress on stderr
+    assert cli("stage", tmp_path / "src", vol, "--name", "llm", "--revision", "r1") == 0
+    assert "already staged" in capsys.readouterr().out
+
+    assert cli("ls", vol) == 0
+    out = capsys.readouterr().out
+    assert "llm@r1  [committed]  6 files" in out and "tokenizer/vocab.txt" in out
+    assert cli("ls", vol, "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["models"][0]["state"] == "committed"
+    assert all(len(d) == 64 for d in doc["models"][0]["digests"].values())
+
+    assert cli("verify", vol, "-q") == 0
+    assert "llm@r1: OK" in capsys.readouterr().out
+    assert cli("export", vol, tmp_path / "out", "-q") == 0
+    assert lm.tree_digest(tmp_path / "out") == lm.tree_digest(tmp_path / "src")
+    assert cli("export", vol, tmp_path / "out", "-q") == 1
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+
+
+def test_verify_reports_damage_with_its_own_exit_code(tmp_path, capsys):
+    lm.save_numpy_model(tmp_path / "src", lm.numpy_tensors())
+    vol = lm.staged_volume(tmp_path / "src", tmp_path / "vol")
+    with open_volume(vol) as v:
+        f = layout.read_index(v).models[0].files[0]
+    with open(vol, "r+b") as fh:
+        fh.seek(f.offset + 200)
+        fh.write(b"\xaa\xbb\xcc")
+    assert cli("verify", vol, "-q") == weights_cli.EXIT_MISMATCH
+    assert "1 bad chunk(s)" in capsys.readouterr().out
+
+
+def test_refusals_are_clear(tmp_path, capsys):
+    lm.large_model(tmp_path / "big", 16 * lm.MiB)
+    assert cli("stage", tmp_path / "big", tmp_path / "small.img", "--size", "16Mi", "-q") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("csi-pmem-weights: error: model big does not fit: it needs")
+    assert "free" in err and "Traceback" not in err
+    assert cli("ls", tmp_path / "missing.img") == 1
+    assert "does not exist" in capsys.readouterr().err
+    odd = tmp_path / "odd.img"
+    odd.write_bytes(bytes(3 * lm.MiB + 1))
+    assert cli("ls", odd) == 1
+    assert "not a multiple of the volume align" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        cli("stage", tmp_path / "big", tmp_path / "x.img", "--size", "lots")
+    assert usage.value.code == 2
+
+
+def test_bench_cli(tmp_path, capsys):
+    lm.sharded_model(tmp_path / "src")
+    vol = lm.staged_volume(tmp_path / "src", tmp_path / "vol")
+    assert cli("bench", vol, "--json", "--repeat", "1", "--buffer-size", "1Mi",
+               "--buffers", "3") == 0
+    rows = json.loads(capsys.readouterr().out)
+    names = [r["name"] for r in rows]
+    assert any(n.startswith("bounce fill") for n in names)
+    assert all({"bytes", "seconds", "GB/s"} <= r.keys() and r["bytes"] > 0 for r in rows)
+
+
+def test_make_model_writes_a_consistent_sharded_model(tmp_path):
+    out = tmp_path / "m"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_model.py"),
+                           "--size-gb", "0.03", "--shard-gb", "0.01", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, check=True)
+    info = json.loads(proc.stdout)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) == info["shards"] > 1
+    names = {}
+    for s in shards:
+        names.update({t: s.name for t in read_header_file(str(s)).tensors})
+    assert names == index["weight_map"]
+    assert sum(s.stat().st_size for s in shards) >= info["bytes"]
+
+
+def test_bench_loader_cpu_only_smoke(tmp_path):
+    result = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_loader.py"),
+                           "--cpu-only", "--size-gb", "0.02", "--work", str(tmp_path / "w"),
+                           "--repeat", "1", "--json", str(result)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(result.read_text())["rows"]
+    assert [r["method"].split(" ")[0] for r in rows] == ["(e)"] * len(rows)
+    assert any("memcpy baseline" in r["method"] for r in rows)
+    assert "GB/s" in proc.stdout
+    # The staged volume is a normal staged model: the loader reads it back.
+    assert load_numpy(str(tmp_path / "w" / "volume.img"))
