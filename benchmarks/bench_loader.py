@@ -46,12 +46,15 @@ MiB, GiB = 1 << 20, 1 << 30
 
 
 def fs_type(path: str) -> str:
+    """File system of ``path``; tmpfs with transparent huge pages shows as tmpfs+thp."""
     best, kind = "", "?"
     with open("/proc/mounts") as m:
         for line in m:
-            mnt, typ = line.split()[1:3]
+            mnt, typ, opts = line.split()[1:4]
             if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, kind = mnt, typ
+                huge = typ == "tmpfs" and any(o in opts for o in ("huge=always",
+                                                                  "huge=within_size"))
+                best, kind = mnt, typ + ("+thp" if huge else "")
     return kind
 
 
@@ -111,8 +114,7 @@ def gpu_rows(src: str, volumes: list[str], args: argparse.Namespace) -> list[dic
         torch.cuda.synchronize()
         return out, time.perf_counter() - t
 
-    def free(*objs) -> None:
-        del objs  # the caller's references were the last ones
+    def free() -> None:
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -131,13 +133,15 @@ def gpu_rows(src: str, volumes: list[str], args: argparse.Namespace) -> list[dic
     timed(partial(ceiling, target))
     best = min(timed(partial(ceiling, target))[1] for _ in range(args.repeat))
     rows.append(row("(a) pinned H2D ceiling (cudaMemcpyAsync)", total, best))
-    free(target)
+    del target
+    free()
     times = []
     for _ in range(args.repeat):
         times.append(timed(ceiling)[1])
         free()
     rows.append(row("(a') pinned H2D incl. cudaMalloc of the target", total, min(times)))
-    free(pinned)
+    pinned = None  # the closure above holds the name; drop the buffer itself
+    free()
 
     # (b) safetensors, also the reference for every check below.
     def st_load() -> dict:
@@ -158,6 +162,15 @@ def gpu_rows(src: str, volumes: list[str], args: argparse.Namespace) -> list[dic
                                   got[k].contiguous().view(-1).view(torch.uint8))]
         return "bit-exact" if not bad else f"FAIL: {len(bad)} differ, e.g. {bad[0]}"
 
+    def measure(fn, check: bool = True) -> tuple[float, str]:
+        """Seconds and check result of one load; its tensors are freed before return
+        (each load allocates afresh, as a new server process would)."""
+        out, secs = timed(fn)
+        result = same(out) if check else ""
+        del out
+        free()
+        return secs, result
+
     # (c) torch.load(mmap=True) + .to(cuda)
     if not args.skip_torch_load:
         pt = os.path.join(args.work, "model.pt")
@@ -166,22 +179,22 @@ def gpu_rows(src: str, volumes: list[str], args: argparse.Namespace) -> list[dic
             for f in shards:
                 cpu.update(load_file(f))
             torch.save(cpu, pt)
-            free(cpu)
+            del cpu
 
         def tl() -> dict:
             sd = torch.load(pt, mmap=True, weights_only=True)
             return {k: v.to(dev) for k, v in sd.items()}
 
-        got, secs = timed(tl)
-        rows.append(row("(c) torch.load(mmap=True) + .to(cuda)", total, secs, same(got)))
-        free(got)
+        secs, check = measure(tl)
+        rows.append(row("(c) torch.load(mmap=True) + .to(cuda)", total, secs, check))
 
     # (d) ours
     configs = [tuple(int(x) for x in c.replace(":", "x").split("x"))
                for c in args.configs.split(",")]
     for vpath in volumes:
-        rows += ours(vpath, configs, dev, total, same, timed, free, args)
-    free(ref)
+        rows += ours(vpath, configs, dev, total, measure, args)
+    ref.clear()
+    free()
     ceiling_gbps = rows[0]["GB/s"]
     for r in rows:
         r["ratio_to_a"] = r["GB/s"] / ceiling_gbps
@@ -192,7 +205,7 @@ def load(view, device: str, loader, verify: bool) -> dict:
     return start_load(view, device, loader=loader, verify=verify).result()
 
 
-def ours(vpath: str, configs: list, dev, total: int, same, timed, free,
+def ours(vpath: str, configs: list, dev, total: int, measure,
          args: argparse.Namespace) -> list[dict]:
     """(d) for one volume file: bounce configs, verification, registered, default."""
     from csi_pmem.loader.gpu import GpuLoader
@@ -200,12 +213,11 @@ def ours(vpath: str, configs: list, dev, total: int, same, timed, free,
     fs = fs_type(vpath)
     rows = []
 
+    def once(view, loader, verify: bool = False, check: bool = True) -> tuple[float, str]:
+        return measure(partial(load, view, str(dev), loader, verify), check)
+
     def repeat(view, loader, label: str) -> None:
-        times = []
-        for _ in range(args.repeat):
-            got, secs = timed(partial(load, view, str(dev), loader, False))
-            times.append(secs)
-            free(got)
+        times = [once(view, loader, check=False)[0] for _ in range(args.repeat)]
         rows.append(row(f"(d) ours, {loader.last_path}, warm [{fs}{label}]", total,
                         min(times), "", runs=[round(t, 4) for t in times]))
 
@@ -216,40 +228,34 @@ def ours(vpath: str, configs: list, dev, total: int, same, timed, free,
         loader.prepare()
         with open_volume(vpath) as vol:  # a fresh mapping: the first load pays faults
             view = open_model(vol)
-            got, secs = timed(partial(load, view, str(dev), loader, False))
+            secs, check = once(view, loader)
             rows.append(row(f"(d) ours, bounce, cold mapping [{fs}{label}]", total, secs,
-                            same(got)))
-            free(got)
+                            check))
             repeat(view, loader, label)
             if n == 0:
-                got, secs = timed(partial(load, view, str(dev), loader, True))
+                secs, check = once(view, loader, verify=True)
                 rows.append(row(f"(d) ours, bounce + sha256 verify [{fs}{label}]", total,
-                                secs, same(got)))
-                free(got)
+                                secs, check))
         loader.close()
     if not args.skip_registered:
         with GpuLoader(dev, mode="registered") as loader, open_volume(vpath) as vol:
             view = open_model(vol)
-            got, secs = timed(partial(load, view, str(dev), loader, False))
+            secs, check = once(view, loader)
             reg = next(iter(loader._registrations.values()), None)
             note = f" (registration {reg.seconds:.3f} s)" if reg else ""
             rows.append(row(f"(d) ours, {loader.last_path}, first load incl. registration "
-                            f"[{fs}]", total, secs, same(got), note=note))
-            free(got)
+                            f"[{fs}]", total, secs, check, note=note))
             repeat(view, loader, "")
-            got, secs = timed(partial(load, view, str(dev), loader, True))
+            secs, check = once(view, loader, verify=True)
             rows.append(row(f"(d) ours, {loader.last_path} + sha256 verify [{fs}]", total,
-                            secs, same(got)))
-            free(got)
+                            secs, check))
     # What a caller gets with no tuning: the default loader, one open volume, 3 loads.
     with GpuLoader(dev) as loader, open_volume(vpath) as vol:
         view = open_model(vol)
         for i in range(3):
-            got, secs = timed(partial(load, view, str(dev), loader, False))
+            secs, check = once(view, loader, check=i == 0)
             rows.append(row(f"(d) ours, default GpuLoader, load {i + 1} "
-                            f"({loader.last_path}) [{fs}]", total, secs,
-                            same(got) if i == 0 else ""))
-            free(got)
+                            f"({loader.last_path}) [{fs}]", total, secs, check))
     return rows
 
 
@@ -281,20 +287,23 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     except ImportError:
         log("matplotlib is not installed; no plot")
         return
+    # Zero-copy views have no meaningful bandwidth; they would flatten every other bar.
+    rows = [r for r in rows if "views" not in r["method"]]
     names = [r["method"] for r in rows]
     values = [r["GB/s"] for r in rows]
-    fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(11, 0.32 * len(rows) + 1.5))
     bars = ax.barh(range(len(rows)), values, color=[
-        "#777" if n.startswith("(a)") else "#2a7" if n.startswith("(d)") else "#c84"
-        for n in names])
-    ax.set_yticks(range(len(rows)), names, fontsize=8)
+        "#777" if n.startswith("(a") else "#2a7" if n.startswith("(d)") else
+        "#59c" if n.startswith("(e)") else "#c84" for n in names])
+    ax.set_yticks(range(len(rows)), names, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("GB/s (weight bytes / wall time)")
+    ax.set_xlim(0, max(values) * 1.22)
+    ax.set_xlabel("GB/s (weight bytes / wall time until usable on the device)")
     ax.set_title(title, fontsize=9)
     for bar, r in zip(bars, rows, strict=True):
         ratio = f"  {r['ratio_to_a']:.0%} of (a)" if "ratio_to_a" in r else ""
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                f" {r['GB/s']:.1f}{ratio}", va="center", fontsize=7)
+                f" {r['GB/s']:.1f}{ratio}", va="center", fontsize=6)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)

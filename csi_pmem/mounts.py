@@ -46,18 +46,34 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
+def _consistent_read(path: str, attempts: int = 3) -> str:
+    """mountinfo is generated page by page; a concurrent mount can tear one read, so
+    read until two reads agree (the same defence as Kubernetes' mount-utils)."""
+    with open(path) as f:
+        previous = f.read()
+    for _ in range(attempts):
+        with open(path) as f:
+            current = f.read()
+        if current == previous:
+            return current
+        previous = current
+    return previous
+
+
 def mountinfo(path: str = "/proc/self/mountinfo") -> list[MountInfo]:
     mounts = []
-    with open(path) as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, rfields = left.split(), right.split()
-            if len(fields) < 6 or len(rfields) < 2:
-                continue
-            opts = set(fields[5].split(",")) | set(rfields[2].split(",") if len(rfields) > 2
-                                                  else [])
-            mounts.append(MountInfo(_unescape(fields[4]), rfields[0], _unescape(rfields[1]),
-                                    frozenset(opts)))
+    # Split lines on "\n" and fields on single spaces only: the kernel escapes space,
+    # tab, newline and backslash, but other whitespace (\x0b, \x1c, U+2028 ...) appears
+    # raw inside paths, and str.split()/splitlines() would cut there.
+    for line in _consistent_read(path).split("\n"):
+        left, _, right = line.partition(" - ")
+        fields, rfields = left.split(" "), right.split(" ")
+        if len(fields) < 6 or len(rfields) < 2:
+            continue
+        opts = set(fields[5].split(",")) | set(rfields[2].split(",") if len(rfields) > 2
+                                              else [])
+        mounts.append(MountInfo(_unescape(fields[4]), rfields[0], _unescape(rfields[1]),
+                                frozenset(opts)))
     return mounts
 
 

@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from conftest import DriverProcess, MiB, Mode, mount_cap, needs_root
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from csi_pmem.csi import csi_pb2, csi_pb2_grpc
+
+from conftest import DriverProcess, MiB, Mode, mount_cap, needs_root
 
 pytestmark = needs_root()
 
@@ -58,7 +59,7 @@ SCALE = int(os.environ.get("CSI_PMEM_BAD_INPUT_SCALE", "1"))
 
 
 def settings_for(n: int):
-    return settings(max_examples=n * SCALE, deadline=None, database=None,
+    return settings(max_examples=n * SCALE, deadline=None, database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -994,9 +995,6 @@ def test_unimplemented_rpcs(driver_factory):
     d.delete(vol)
 
 
-@pytest.mark.xfail(strict=True, reason="csi_pmem.mounts.mountinfo() splits mountinfo lines "
-                   "with str.split(), which also splits at whitespace the kernel does not "
-                   "escape (\\x1f, NBSP, ...): the driver loses track of its own mount")
 @pytest.mark.parametrize("char", ["\x1f", "\xa0", "\u2028", "\x0b"])
 def test_target_with_unusual_whitespace(driver_factory, char):
     d = driver_factory(regions=REGIONS).start()

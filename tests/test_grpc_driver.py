@@ -283,3 +283,22 @@ def test_access_modes(driver):
     assert code_of(driver.publish, vol.volume_id, driver.target("w2"), cap=cap) == \
         grpc.StatusCode.FAILED_PRECONDITION
     driver.unpublish(vol.volume_id, driver.target("w1"))
+
+
+def test_validate_matches_resolved_numa_node(driver):
+    vol = driver.create("auto-numa", size=16 * MiB).volume  # numaNode: auto
+    node = vol.volume_context["numaNode"]
+    other = "1" if node == "0" else "0"
+
+    def validate(params):
+        return driver.controller.ValidateVolumeCapabilities(
+            csi_pb2.ValidateVolumeCapabilitiesRequest(
+                volume_id=vol.volume_id, volume_capabilities=[mount_cap()], parameters=params))
+
+    assert validate({"numaNode": node}).HasField("confirmed")
+    assert validate({"numaNode": "auto"}).HasField("confirmed")
+    refused = validate({"numaNode": other})
+    assert not refused.HasField("confirmed") and "numaNode" in refused.message
+    assert code_of(driver.controller.GetCapacity, csi_pb2.GetCapacityRequest(
+        parameters={"bogus": "1"}, volume_capabilities=[block_cap()])) == \
+        grpc.StatusCode.INVALID_ARGUMENT

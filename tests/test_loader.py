@@ -15,7 +15,6 @@ import os
 import struct
 from pathlib import Path
 
-import loader_models as lm
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -40,6 +39,8 @@ from csi_pmem.loader import (
     verify,
 )
 from csi_pmem.loader.stformat import parse_header
+
+import loader_models as lm
 
 MiB = lm.MiB
 

@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import loader_models as lm
 import pytest
 
 from csi_pmem import weights_cli
 from csi_pmem.loader import layout, load_numpy, open_volume
 from csi_pmem.loader.stformat import read_header_file
+
+import loader_models as lm
 
 ROOT = Path(__file__).resolve().parent.parent
 

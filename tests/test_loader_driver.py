@@ -4,12 +4,13 @@ loads (and refuses staging), and the NUMA node comes from the volume's metadata.
 
 from __future__ import annotations
 
-import loader_models as lm
-from conftest import MiB, needs_root
 from safetensors.numpy import load_file
 
 from csi_pmem import weights_cli
 from csi_pmem.loader import ReadOnlyVolumeError, load_numpy, open_volume
+
+import loader_models as lm
+from conftest import MiB, needs_root
 
 pytestmark = needs_root()
 

@@ -18,6 +18,7 @@ import pytest
 from csi_pmem.loader import plan
 from csi_pmem.loader.numa import node_cpus, parse_cpulist
 from csi_pmem.loader.pipeline import BouncePipeline
+from csi_pmem.loader.registered import register_pieces
 from csi_pmem.loader.stformat import TensorInfo
 from csi_pmem.loader.volume import buffer_address
 
@@ -183,3 +184,11 @@ def test_completion_counts_tensors_spanning_chunks():
     assert comp.ready == ["t2"]
     done = [comp.done(c) for c in chunks]
     assert done[:2] == [[], []] and sorted(done[2]) == ["t0", "t1"]
+
+
+def test_register_pieces_are_per_file_and_stable_under_subsets():
+    files = [(0, 5000), (6144, 8192), (8192, 9000)]
+    pieces = register_pieces(files, step=2048)
+    assert pieces == [(0, 2048), (2048, 4096), (4096, 5000), (6144, 8192), (8192, 9000)]
+    # A subset gets exactly the pieces the full model has for those files.
+    assert set(register_pieces(files[1:], step=2048)) <= set(pieces)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
+from csi_pmem.loader import ChecksumError, load_safetensors, open_volume, start_load
+from csi_pmem.loader.layout import read_index
+
+import loader_models as lm
+
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-
-import loader_models as lm  # noqa: E402
-
-from csi_pmem.loader import ChecksumError, load_safetensors, open_volume, start_load  # noqa: E402
-from csi_pmem.loader.layout import read_index  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -94,6 +94,21 @@ def test_gpu_subset_and_futures(models):
         assert set(handle.files["model-00002-of-00003.safetensors"].result()) == \
             {k for k in ref if k.startswith("layers.1.")}
         handle.result()
+
+
+@cuda
+def test_registered_subset_then_whole_model(models):
+    from csi_pmem.loader.gpu import GpuLoader
+
+    vol = lm.staged_volume(models / "sharded", models / "v")
+    with GpuLoader("cuda:0", mode="registered") as loader, open_volume(vol) as v:
+        part = load_safetensors(v, "cuda:0", loader=loader,
+                                predicate=lambda n: n.startswith("layers.1."))
+        got = load_safetensors(v, "cuda:0", loader=loader)
+        assert loader.last_path == "registered"
+    ref = reference(models / "sharded")
+    assert_same(got, ref)
+    assert_same(part, {k: v for k, v in ref.items() if k.startswith("layers.1.")})
 
 
 @cuda

@@ -38,17 +38,12 @@ class RegistrationError(RuntimeError):
 
 def register_pieces(ranges: list[tuple[int, int]], step: int = REGISTER_STEP
                     ) -> list[tuple[int, int]]:
-    """Merge ``ranges`` and cut them into pieces of at most ``step`` bytes.
+    """Cut each file's range into pieces of at most ``step`` bytes from its start.
 
-    Deterministic for a given model, so later loads find the same pieces registered.
+    Per file and never merged, so a file always gets the same pieces whichever subset
+    of files a load selects: CUDA refuses to register a range twice.
     """
-    merged: list[list[int]] = []
-    for a, b in sorted(ranges):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        elif b > a:
-            merged.append([a, b])
-    return [(o, min(o + step, b)) for a, b in merged for o in range(a, b, step)]
+    return [(o, min(o + step, b)) for a, b in sorted(ranges) for o in range(a, b, step)]
 
 
 class Registration:
@@ -98,30 +93,18 @@ def _cuda_error(cudart: Any, err: Any) -> str:
 
 
 def copy_direct(registration: Registration, pieces: list[tuple[int, int]],
-                chunks: list[planning.Chunk], target: Callable[[int], Any], device: Any,
+                chunks: list[planning.Chunk], targets: list[Any], device: Any,
                 on_done: Callable[[planning.Chunk], None]) -> None:
     """Register piece by piece and queue each piece's copies right after it.
 
-    ``target(i)`` returns file ``i``'s device buffer (allocated on first use, so later
-    files' allocations overlap earlier files' copies). A piece that cannot be
-    registered after copies started is copied from pageable memory, with a warning.
+    ``targets[i]`` is file ``i``'s device buffer, allocated on the caller's stream. A
+    piece that cannot be registered after copies started is copied from pageable
+    memory, with a warning.
     """
     import torch
 
-    # Buffers are allocated on the caller's stream (that is where their users will free
-    # them); the copy stream waits for it after each allocation.
-    alloc_stream = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device=device)
-    stream.wait_stream(alloc_stream)
-    buffers: dict[int, Any] = {}
-
-    def dest(i: int) -> Any:
-        if i not in buffers:
-            with torch.cuda.stream(alloc_stream):
-                buffers[i] = target(i)
-            stream.wait_stream(alloc_stream)
-        return buffers[i]
-
+    stream.wait_stream(torch.cuda.current_stream(device))
     starts = [p[0] for p in pieces]
     by_piece: dict[int, list[planning.Chunk]] = {}
     for c in chunks:
@@ -141,8 +124,8 @@ def copy_direct(registration: Registration, pieces: list[tuple[int, int]],
                             "instead of the link speed)", exc, format_size(end - start))
             for c in by_piece[i]:
                 p = c.pieces[0]
-                dest(c.target)[c.dst:c.dst + c.nbytes].copy_(src[p.src:p.src + p.nbytes],
-                                                             non_blocking=True)
+                targets[c.target][c.dst:c.dst + c.nbytes].copy_(src[p.src:p.src + p.nbytes],
+                                                                non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
                 pending.append((event, c))

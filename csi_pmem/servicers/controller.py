@@ -73,11 +73,11 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
             except InvalidArgument as exc:
                 reasons.append(str(exc))
             else:
+                have = dict(rec.params, numaNode=str(rec.numa_node))  # auto was resolved
                 if wanted.get("numaNode") == "auto":
                     wanted.pop("numaNode")
-                reasons += [f"parameter {k}={v} differs from the volume's "
-                            f"{rec.params.get(k)}" for k, v in wanted.items()
-                            if rec.params.get(k) != v]
+                reasons += [f"parameter {k}={v} differs from the volume's {have.get(k)}"
+                            for k, v in wanted.items() if have.get(k) != v]
         if reasons:
             return csi_pb2.ValidateVolumeCapabilitiesResponse(message="; ".join(reasons))
         return csi_pb2.ValidateVolumeCapabilitiesResponse(
@@ -115,13 +115,14 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
 
     @rpc
     def GetCapacity(self, request, context):
+        params = sc_params.parse(request.parameters)  # a bad class is an error, not 0
         for cap in request.volume_capabilities:
             if problem(cap):
                 return csi_pb2.GetCapacityResponse(available_capacity=0)
         if request.HasField("accessible_topology") and \
                 not self._on_this_node([request.accessible_topology]):
             return csi_pb2.GetCapacityResponse(available_capacity=0)
-        cap = self.driver.capacity(sc_params.parse(request.parameters))
+        cap = self.driver.capacity(params)
         return csi_pb2.GetCapacityResponse(
             available_capacity=cap.available,
             maximum_volume_size={"value": cap.maximum_volume_size})

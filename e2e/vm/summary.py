@@ -67,7 +67,7 @@ def summarise_config(d: Path) -> tuple[dict, list[str], bool]:
         else:
             lines.append(f"  csi-sanity {flavour}: {res['passed']} passed, {res['skipped']} "
                          f"skipped, {res['pending']} pending, {res['failed']} failed "
-                         f"({res['seconds']} s, volume {res["volume_size"] / (1 << 20):g} MiB)")
+                         f"({res['seconds']} s, volume {res['volume_size'] / (1 << 20):g} MiB)")
     ops = latency.get("operations") or {}
     if ops:
         lines.append(f"  latency ({latency.get('note', '')}):")
