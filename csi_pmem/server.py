@@ -89,7 +89,7 @@ class Server:
         ok, reason = self.backend.probe()
         log.info("csi-pmem %s serving %s on %s (node %s, back end %s, %s) in %.2f s",
                  self.cfg.driver_name, "Identity/Controller/Node", self.cfg.endpoint,
-                 self.cfg.node_id, self.cfg.backend, "ready" if ok else f"NOT READY: {reason}",
+                 self.cfg.node_id, self.cfg.backend, f"{'ready' if ok else 'NOT READY'}: {reason}",
                  time.monotonic() - started)
 
     def _start_watcher(self) -> None:

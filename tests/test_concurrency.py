@@ -20,11 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from conftest import DriverProcess, MiB, needs_root
 
 from csi_pmem import mounts
 from csi_pmem.daxclient import map_volume, open_volume
 from csi_pmem.driver import volume_id_for
+
+from conftest import DriverProcess, MiB, needs_root
 
 pytestmark = [needs_root(), pytest.mark.root]
 
@@ -124,6 +125,9 @@ def test_same_name_created_concurrently(driver):
     assert {v.volume_id for v in oks} == {vid}
     assert len({v.SerializeToString(deterministic=True) for v in oks}) == 1
     assert backing_ids(d) == [vid], "exactly one backing file"
+    log = d.log.read_text()
+    assert log.count(f"created volume {vid} (one-name)") == 1, "the volume was created twice"
+    assert "rolled back" not in log, "one call undid another's creation"
     final = d.create("one-name", size=64 * MiB).volume
     assert final == oks[0]
     assert d.list_ids() == [vid]
@@ -154,6 +158,32 @@ def test_many_volumes_created_then_deleted_concurrently(driver):
 
     run_all(lambda vid: retry_aborted(d.delete, vid), ids, 16)
     assert_empty(d, initial)
+
+
+def test_concurrent_creates_never_overcommit_a_pool(driver_factory):
+    """Twelve 64 MiB volumes race for a 256 MiB pool: exactly four win, the rest are told."""
+    d = driver_factory(regions="0=256Mi").start()
+    initial = d.capacity().available_capacity
+    n = 12
+    barrier = threading.Barrier(n)
+
+    def create(i: int):
+        barrier.wait()
+        try:
+            return d.create(f"race-{i}", size=60 * MiB).volume.volume_id
+        except grpc.RpcError as exc:
+            return exc.code()
+
+    results = run_all(create, range(n), n)
+    won = sorted(r for r in results if isinstance(r, str))
+    lost = [r for r in results if not isinstance(r, str)]
+    assert len(won) == 4 and lost == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (n - 4), results
+    assert sorted(d.list_ids()) == won and backing_ids(d) == won
+    assert sum(p.stat().st_size for p in d.pool_files()) == 256 * MiB
+    assert d.capacity().available_capacity == 0
+    run_all(d.delete, won, len(won))
+    assert d.capacity().available_capacity == initial
+    assert d.pool_files() == [] and records(d) == {}
 
 
 def test_create_and_delete_interleaved(driver):

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import DriverProcess, MiB, needs_root
 
 from csi_pmem import failpoints, mounts
 from csi_pmem.daxclient import DaxSocketError, map_volume, open_volume
 from csi_pmem.driver import volume_id_for
+
+from conftest import DriverProcess, MiB, needs_root
 
 pytestmark = [needs_root(), pytest.mark.root]
 

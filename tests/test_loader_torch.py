@@ -54,13 +54,15 @@ def test_cpu_views_match_safetensors(models, kind):
     assert_same(got, reference(models / kind))
 
 
-def test_cpu_views_share_the_mapping(models):
+def test_cpu_views_share_the_mapping_and_outlive_close(models):
     vol = lm.staged_volume(models / "np", models / "v")
     with open_volume(vol) as v:
         got = load_safetensors(v, "cpu")
         base = v.address
         t = got["f32"]
         assert base <= t.data_ptr() < base + v.size
+    # close() must not unmap under live tensors (a use-after-unmap would crash here).
+    assert_same(got, reference(models / "np"))
 
 
 @cuda
@@ -109,6 +111,23 @@ def test_registered_subset_then_whole_model(models):
     ref = reference(models / "sharded")
     assert_same(got, ref)
     assert_same(part, {k: v for k, v in ref.items() if k.startswith("layers.1.")})
+
+
+@cuda
+def test_a_volume_opened_for_one_load_is_unregistered_after_it(models):
+    import time
+
+    from csi_pmem.loader.gpu import GpuLoader
+
+    vol = lm.staged_volume(models / "np", models / "v")
+    with GpuLoader("cuda:0", mode="registered") as loader:
+        got = load_safetensors(str(vol), "cuda:0", loader=loader)
+        assert loader.last_path == "registered"
+        deadline = time.monotonic() + 10
+        while loader._registrations and time.monotonic() < deadline:
+            time.sleep(0.01)  # released by a done-callback, just after result()
+        assert not loader._registrations
+    assert_same(got, reference(models / "np"))
 
 
 @cuda

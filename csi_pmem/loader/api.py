@@ -128,6 +128,28 @@ def _verify(handle: LoadHandle, selection: dict[str, list[TensorInfo]],
     fut.add_done_callback(relay)
 
 
+def _close_when_done(handle: LoadHandle, gpu: Any) -> None:
+    """Unmap a volume this load opened once data and verification are done.
+
+    Views handed out keep the mapping alive until they are freed (Volume.close), and a
+    loader must not keep a registration of a mapping nobody can load from again.
+    """
+    lock = threading.Lock()
+    closed = [False]
+
+    def maybe_close(_: Future[Any]) -> None:
+        with lock:
+            if closed[0] or not (handle.done.done() and handle.verified.done()):
+                return
+            closed[0] = True
+        if gpu is not None:
+            gpu.release(handle.view.volume)
+        handle.view.volume.close()
+
+    handle.done.add_done_callback(maybe_close)
+    handle.verified.add_done_callback(maybe_close)
+
+
 def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str = "cpu", *,
                model: str | None = None, names: Iterable[str] | None = None,
                predicate: Callable[[str], bool] | None = None, verify: bool = True,
@@ -136,15 +158,25 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
     """Start loading a staged model; returns at once with a :class:`LoadHandle`.
 
     ``volume``: a published volume directory, a devdax device or file path (mapped
-    read-only), an open :class:`Volume` (keep it open across loads: that is what makes
-    a registered mapping pay), or a :class:`ModelView`. ``names``/``predicate`` pick a
+    read-only for this load, unmapped once its views are freed), an open
+    :class:`Volume` (keep it open across loads: that is what makes a registered mapping
+    pay), or a :class:`ModelView`. ``names``/``predicate`` pick a
     subset (tensor parallelism). ``device="cpu"`` gives views of the mapping (torch, or
     numpy with ``framework="numpy"``); ``"cuda"``/``"cuda:N"`` copies through ``loader``
     (default: one shared :class:`~csi_pmem.loader.gpu.GpuLoader` per device).
     """
+    if device != "cpu":
+        if not device.startswith("cuda"):
+            raise LoaderError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+        if framework != "torch":
+            raise LoaderError(f"device {device!r} needs framework='torch'")
+    owned = not isinstance(volume, Volume | ModelView)
     view = volume if isinstance(volume, ModelView) else open_model(volume, model)
     selection = view.select(names, predicate)
     handle = LoadHandle(view, selection, device)
+    gpu = None if device == "cpu" else (loader or default_loader(device))
+    if owned:
+        _close_when_done(handle, gpu)
     if verify:
         _verify(handle, selection, verify_threads)
     else:
@@ -167,11 +199,6 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
             handle._fail(exc)
             raise
         return handle
-    if framework != "torch":
-        raise LoaderError(f"device {device!r} needs framework='torch'")
-    if not device.startswith("cuda"):
-        raise LoaderError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
-    gpu = loader or default_loader(device)
 
     def run() -> None:
         try:

@@ -2,9 +2,10 @@
 
 Why: on a DAX volume the weights already are memory; a CPU "load" is building views.
 The mapping is PROT_READ for loads, so a write through one of these views faults
-instead of silently altering the staged model. numpy has no bf16/fp8: those come back
-as raw unsigned views (the logical dtype is in ``TensorInfo.dtype``); torch gets the
-real dtype from ``torch.frombuffer``.
+instead of silently altering the staged model, and every view holds a buffer export
+of the mapping, so it stays mapped until the last view is freed. numpy has no
+bf16/fp8: those come back as raw unsigned views (the logical dtype is in
+``TensorInfo.dtype``); torch views get the real dtype.
 """
 
 from __future__ import annotations
@@ -43,16 +44,20 @@ def torch_dtype(name: str) -> Any:
 
 
 def torch_view(volume: Volume, t: TensorInfo) -> Any:
+    import numpy as np
     import torch
 
     dtype = torch_dtype(t.dtype)
     if t.nbytes == 0:
         return torch.empty(t.shape, dtype=dtype)
-    count = t.nbytes // dtype.itemsize if dtype is not torch.uint8 else t.nbytes
+    # Through numpy, not torch.frombuffer: a numpy array holds a buffer export of the
+    # mapping, so Volume.close() cannot unmap it under the tensor; torch.frombuffer
+    # only keeps a reference and would leave the tensor dangling after close().
+    raw = np.frombuffer(volume.mapping, np.uint8, t.nbytes, t.offset)
     with warnings.catch_warnings():
         # PROT_READ on purpose; torch warns that it cannot protect the buffer.
         warnings.filterwarnings("ignore", message=".*not writable.*")
-        flat = torch.frombuffer(volume.mapping, dtype=dtype, count=count, offset=t.offset)
-    if dtype is torch.uint8 and t.dtype not in ("U8",):
-        return flat  # sub-byte or unknown to this torch: flat raw bytes
-    return flat.view(t.shape)
+        flat = torch.from_numpy(raw)
+    if dtype is torch.uint8 and t.dtype != "U8":
+        return flat  # sub-byte types, or a dtype this torch lacks: flat raw bytes
+    return flat.view(dtype).view(t.shape)

@@ -56,9 +56,12 @@ class Registration:
         self.cudart = torch.cuda.cudart()
         self.flags = HOST_REGISTER_PORTABLE | (
             0 if volume.writable else HOST_REGISTER_READ_ONLY)
+        # A buffer export: the volume cannot be unmapped while pieces are registered
+        # (torch.frombuffer alone keeps only a reference, which close() ignores).
+        self._export: memoryview | None = memoryview(volume.mapping)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not writable.*")
-            self.source = torch.frombuffer(volume.mapping, dtype=torch.uint8)
+            self.source = torch.frombuffer(self._export, dtype=torch.uint8)
         self.pieces: dict[int, int] = {}
         self.seconds = 0.0
 
@@ -83,6 +86,13 @@ class Registration:
         for start in self.pieces:
             self.cudart.cudaHostUnregister(self.volume.address + start)
         self.pieces.clear()
+        self.source = None
+        if self._export is not None:
+            try:
+                self._export.release()
+            except BufferError:  # a slice of it is still in use somewhere
+                pass
+            self._export = None
 
 
 def _cuda_error(cudart: Any, err: Any) -> str:

@@ -32,6 +32,8 @@ mkdir -p /proc /sys /dev /out /lower /rw /newroot
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
+# Loopback for the driver's metrics endpoint; there is no other network.
+ip link set lo up
 
 # Modules in dependency order (prepare.sh resolved modules.dep when it built this).
 while read -r ko; do

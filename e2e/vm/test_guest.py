@@ -401,8 +401,7 @@ def leak_check(request: pytest.FixtureRequest, boot_state: dict[str, Any]) -> It
     if label_slots() != boot_state["label_slots"]:
         problems.append(f"label slots {label_slots()} differ from boot "
                         f"{boot_state['label_slots']}")
-    records = sorted(p.name for p in (BASE / "state").glob("*.json")) \
-        if (BASE / "state").is_dir() else []
+    records = sorted(p.name for p in (BASE / "state").glob("**/*.json"))
     if records:
         problems.append(f"state records left: {records}")
     with open("/proc/self/mountinfo") as f:
@@ -515,6 +514,11 @@ def vm_flavour(name: str) -> tuple[Flavour, str]:
     return flavour, ""
 
 
+# The default StorageClass (NUMA auto); the NUMA-pinned class adds nothing kernel-side
+# that test_placement_lands_in_the_right_region does not check.
+DEFAULT_SANITY_FLAVOURS = "devdax-2mi.yaml"
+
+
 def _sanity_binary() -> str:
     path = os.environ.get("CSI_SANITY_BIN", "")
     if path and os.access(path, os.X_OK):
@@ -529,6 +533,11 @@ def _sanity_binary() -> str:
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("flavour", sorted(FLAVOURS), ids=lambda n: n.removesuffix(".yaml"))
 def test_csi_sanity(drv: Driver, flavour: str) -> None:
+    wanted = os.environ.get("E2E_VM_SANITY_FLAVOURS", "") or DEFAULT_SANITY_FLAVOURS
+    if wanted != "all" and flavour not in wanted.split(","):
+        pytest.skip(f"not selected (E2E_VM_SANITY_FLAVOURS={wanted}; 'all' runs every "
+                    "flavour, about 90 s each under TCG); every flavour runs against the "
+                    "emulated back end in make test")
     binary = _sanity_binary()
     vm_fl, why = vm_flavour(flavour)
     if why:
@@ -633,7 +642,8 @@ def test_get_capacity_matches_ndctl(drv: Driver) -> None:
     FACTS["capacity_empty"] = seen
 
 
-USABLE_SIZES_2MI = [2 * MiB, 64 * MiB, 100_000_000, 256 * MiB, 640 * MiB]
+# Small to large, one not a multiple of anything; each is created and erased twice.
+USABLE_SIZES_2MI = [2 * MiB, 64 * MiB, 100_000_000, 256 * MiB]
 
 
 def test_usable_size_at_least_requested_2mi(drv: Driver) -> None:
@@ -755,7 +765,7 @@ def test_restart_serves_published_volumes_again(drv: Driver, how: str) -> None:
 
 
 def _record(drv: Driver, vid: str) -> dict | None:
-    p = drv.state / f"{vid}.json"
+    p = drv.state / "volumes" / f"{vid}.json"  # csi_pmem.state.StateStore's layout
     return json.loads(p.read_text()) if p.exists() else None
 
 
@@ -916,8 +926,8 @@ def test_block_on_devdax_is_refused(drv: Driver) -> None:
 
 
 def test_latency_samples(drv: Driver) -> None:
-    """Five create/publish/unpublish/delete rounds of a 64 MiB volume, for latency.json."""
-    for i in range(5):
+    """Three create/publish/unpublish/delete rounds of a 64 MiB volume, for latency.json."""
+    for i in range(3):
         vol = create(drv, unique(f"lat{i}"), 64 * MiB, {"numaNode": str(i % 2)},
                      op="CreateVolume 64Mi (incl. erase)")
         target = drv.target(f"lat-{i}")
