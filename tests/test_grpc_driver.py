@@ -8,11 +8,12 @@ import os
 
 import grpc
 import pytest
-from conftest import GiB, MiB, Mode, block_cap, mount_cap, needs_root
 
 from csi_pmem.csi import csi_pb2
 from csi_pmem.daxclient import DaxSocketError, open_volume
 from csi_pmem.sizes import allocation_for
+
+from conftest import GiB, MiB, Mode, block_cap, mount_cap, needs_root
 
 pytestmark = needs_root()
 

@@ -6,8 +6,9 @@ import json
 import socket
 import urllib.request
 
-from conftest import MiB, needs_root
 from csi_pmem.csi import csi_pb2
+
+from conftest import MiB, needs_root
 
 pytestmark = needs_root()
 
