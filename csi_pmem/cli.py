@@ -70,10 +70,18 @@ def main(argv: list[str] | None = None) -> int:
             return server.serve(cfg)
         from csi_pmem import client
 
-        result = client.run(args)
+        from csi_pmem.daxclient import DaxSocketError
+
+        try:
+            result = client.run(args)
+        except DaxSocketError as exc:
+            raise client.ClientError(str(exc)) from None
     except CsiPmemError as exc:
         print(f"csi-pmem: {exc}", file=sys.stderr)
         return USER_ERROR
     if result is not None:
-        print(json.dumps(result, indent=2, sort_keys=True))
+        try:
+            print(json.dumps(result, indent=2, sort_keys=True))
+        except BrokenPipeError:  # `csi-pmem volume list | head`
+            sys.stderr.close()
     return 0

@@ -1,0 +1,56 @@
+"""The `csi-pmem volume` client a newcomer uses: every action against a real driver."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, needs_root
+
+pytestmark = needs_root()
+
+
+def cli(driver, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CSI_PMEM_ENDPOINT=f"unix://{driver.socket}")
+    return subprocess.run([sys.executable, "-m", "csi_pmem", "volume", *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def ok(driver, *args: str):
+    res = cli(driver, *args)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_walkthrough(driver):
+    info = ok(driver, "info")
+    assert info["probe"]["ready"] is True and info["node"]["node_id"] == "test-node"
+    before = int(ok(driver, "capacity", "-p", "numaNode=1")["available_capacity"])
+    vol = ok(driver, "create", "llama", "--size", "100Mi", "-p", "numaNode=1")
+    assert int(vol["capacity_bytes"]) >= 100 << 20
+    assert vol["volume_context"]["numaNode"] == "1"
+    assert int(ok(driver, "capacity", "-p", "numaNode=1")["available_capacity"]) < before
+    vid = vol["volume_id"]
+    assert [e["volume"]["volume_id"] for e in ok(driver, "list")["entries"]] == [vid]
+    target = driver.target("demo")
+    ok(driver, "publish", vid, target, "--readonly")
+    seen = ok(driver, "inspect", target)
+    assert seen["metadata"]["volume_id"] == vid and seen["fd_flags"] == "O_RDONLY"
+    assert seen["first_16_bytes"] == "00" * 16
+    assert int(ok(driver, "stats", vid, target)["usage"][0]["total"]) == \
+        int(vol["capacity_bytes"])
+    ok(driver, "unpublish", vid, target)
+    ok(driver, "delete", vid)
+    assert ok(driver, "list")["entries"] == []
+
+
+def test_errors_are_one_line_with_the_code(driver):
+    for args, needle in [(("create", "big", "--size", "10Gi"), "OUT_OF_RANGE"),
+                         (("create", "x", "--size", "1Gi", "-p", "align=4Ki"), "2Mi or 1Gi"),
+                         (("create", "x", "--size", "lots"), "invalid size"),
+                         (("inspect", "/nonexistent"), "does not exist")]:
+        res = cli(driver, *args)
+        assert res.returncode == 2 and needle in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
