@@ -4,7 +4,7 @@ PY := .venv/bin/python
 RUN_DIR ?= /tmp/csi-pmem
 export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
 
-.PHONY: setup tools run test unit lint proto proto-check sanity bench clean
+.PHONY: setup tools run test unit lint proto proto-check sanity bench clean e2e-vm
 
 setup:
 	@bash scripts/setup.sh
@@ -42,6 +42,13 @@ sanity: setup tools
 bench: setup
 	$(PY) benchmarks/bench_driver.py
 	$(PY) benchmarks/bench_erase.py
+
+# The VM tier: the driver with --backend ndctl in QEMU (TCG) on Debian's kernel with
+# emulated NVDIMMs on two NUMA nodes; csi-sanity and e2e/vm/test_guest.py in the guest.
+# Needs root; results in build/e2e-vm. E2E_VM_ARGS passes options, e.g.
+# E2E_VM_ARGS="--config main -- -k erase" (see e2e/vm/run.sh --help).
+e2e-vm: setup tools
+	CSI_SANITY_REQUIRED=1 bash e2e/vm/run.sh $(E2E_VM_ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis build *.egg-info

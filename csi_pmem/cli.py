@@ -69,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
             logs.setup(cfg.log_format, cfg.log_level)
             return server.serve(cfg)
         from csi_pmem import client
-
         from csi_pmem.daxclient import DaxSocketError
 
         try:

@@ -63,7 +63,7 @@ VOLUME_ID_PREFIX = "pmem-"
 METADATA_FILE = "volume.json"
 SOCKET_FILE = "dax.sock"
 MAX_NAME_BYTES = 128
-# How long an unmount may keep failing with EBUSY before the call gives up (see _umount).
+# How long an unmount or a read-only remount may keep failing with EBUSY (_while_busy).
 UMOUNT_BUSY_SECONDS = 5.0
 PATH_MAX, NAME_MAX = 4096, 255  # Linux limits, in bytes (PATH_MAX counts the NUL)
 
@@ -459,7 +459,7 @@ class Driver:
         os.chmod(meta_path, 0o644)
         os.chmod(target, 0o755)
         self._serve(rec, pub)
-        mounts.remount(target, readonly=True)
+        self._seal(target)
 
     def _serve(self, rec: VolumeRecord, pub: Publication) -> None:
         ns = self.backend.get(rec.id)
@@ -485,7 +485,7 @@ class Driver:
         except ValueError as exc:
             raise InvalidArgument(f"cannot serve {sock}: {exc}") from exc
         if sealed:
-            mounts.remount(pub.target, readonly=True)
+            self._seal(pub.target)
 
     def _stop_and_umount(self, vid: str, target: str) -> None:
         current = mounts.find(target)
@@ -498,25 +498,12 @@ class Driver:
 
     @staticmethod
     def _umount(target: str) -> None:
-        """Unmount, retrying for a moment while the kernel says the target is busy.
+        _while_busy(lambda: mounts.umount(target), f"unmounting {target}")
 
-        Why: every mount/umount this process runs for another volume forks, and until the
-        child execs it holds a copy of all our fds, including the dax.sock listener just
-        closed by stop(); a listener's bound path pins the tmpfs, so a concurrent
-        unpublish sees EBUSY for a few milliseconds. A mount that stays busy still fails.
-        """
-        deadline = time.monotonic() + UMOUNT_BUSY_SECONDS
-        delay = 0.005
-        while True:
-            try:
-                mounts.umount(target)
-                return
-            except CommandError as exc:
-                if "busy" not in exc.stderr or time.monotonic() + delay > deadline:
-                    raise
-                log.debug("%s is busy; unmounting again in %.3f s", target, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+    @staticmethod
+    def _seal(target: str) -> None:
+        """Remount the target's tmpfs read-only (see _while_busy for the retries)."""
+        _while_busy(lambda: mounts.remount(target, readonly=True), f"sealing {target}")
 
     def _undo_publish(self, rec: VolumeRecord, target: str) -> None:
         self._stop_and_umount(rec.id, target)
@@ -613,6 +600,30 @@ class Driver:
     def close(self) -> None:
         self.dax.close()
         self.backend.close()
+
+
+def _while_busy(action: Callable[[], None], what: str) -> None:
+    """Run a mount operation, retrying for a moment while the kernel says it is busy.
+
+    Why: every mount/umount this process runs for another volume forks, and until the
+    child execs it holds a copy of all our fds: a dax.sock listener that stop() just
+    closed (its bound path pins the tmpfs, so umount fails with EBUSY) or the volume.json
+    just written (a file open for writing, so remount,ro fails with EBUSY). Concurrent
+    publishes and unpublishes hit this for a few milliseconds; a target that stays busy
+    still fails.
+    """
+    deadline = time.monotonic() + UMOUNT_BUSY_SECONDS
+    delay = 0.005
+    while True:
+        try:
+            action()
+            return
+        except CommandError as exc:
+            if "busy" not in exc.stderr or time.monotonic() + delay > deadline:
+                raise
+            log.debug("%s: busy; trying again in %.3f s", what, delay)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
 
 
 def describe(rec: VolumeRecord) -> dict:

@@ -1,4 +1,5 @@
-"""``csi-pmem-weights``: stage, verify, list, export and benchmark models on a volume.
+"""``csi-pmem-weights``: stage, verify, list, export and benchmark models on a volume, and
+run the staging sidecar (``sidecar``: see :mod:`csi_pmem.loader.sidecar`).
 
 Why a CLI beside the library: staging is an operator's (or a sidecar's) job, and it
 must say clearly why it refuses (too small, read-only, corrupt) and how far it got.
@@ -17,7 +18,7 @@ import os
 import sys
 import time
 
-from csi_pmem.loader import errors, staging
+from csi_pmem.loader import errors, sidecar, staging
 from csi_pmem.loader.layout import INDEX_AREA, read_index
 from csi_pmem.loader.volume import MiB, format_size, open_volume
 
@@ -162,6 +163,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sidecar(args: argparse.Namespace) -> int:
+    return sidecar.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="csi-pmem-weights", description=__doc__.split("\n\n")[0])
     p.add_argument("--log-level", default="WARNING")
@@ -210,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     common(b)
     b.set_defaults(func=cmd_bench)
+
+    sc = sub.add_parser("sidecar", help="keep a model staged and verified; serve /readyz "
+                        "(a native sidecar's entrypoint)")
+    sidecar.add_arguments(sc)
+    sc.set_defaults(func=cmd_sidecar)
     return p
 
 

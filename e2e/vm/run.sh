@@ -16,16 +16,21 @@
 #               aligned, and ndctl refuses every namespace there (DESIGN.md 1.4).
 #
 # Usage: e2e/vm/run.sh [--config main|misaligned|all] [--cmd 'shell command'] [-- PYTEST ARGS]
-#   --cmd runs that command in the guest instead of the test suite (for debugging).
-# Env:   E2E_VM_OUT      results directory (default: <repo>/build/e2e-vm; wiped per run)
+#   --cmd runs that command in the guest instead of the test suite (for debugging;
+#         the guest sees the host's files, except /tmp, /run and /var/tmp: tmpfs there).
+#   PYTEST ARGS go to pytest in the guest, e.g. -- -k erase -x
+# Env:   E2E_VM_OUT      results directory (default: <repo>/build/e2e-vm; each
+#                        configuration's subdirectory is replaced by the run)
 #        E2E_VM_TIMEOUT  seconds per boot before QEMU is killed (default 900)
-#        E2E_VM_SMP / E2E_VM_MEM   guest CPUs (2) and RAM (2G)
+#        E2E_VM_SMP / E2E_VM_MEM_GIB   guest CPUs (2, split over the two NUMA nodes)
+#                        and RAM in GiB (2, half per node)
 #        CSI_SANITY_BIN  csi-sanity binary (default: the cached build of
 #                        scripts/install-csi-sanity.sh); csi-sanity is skipped, with the
 #                        reason in the results, when it is absent, unless
 #                        CSI_SANITY_REQUIRED=1
 #        E2E_VM_SANITY_FLAVOURS  tests/sanity/*.yaml files csi-sanity runs with in the
-#                        guest, comma separated, or "all" (default: devdax-2mi.yaml)
+#                        guest, comma separated, or "all" (default: all; those
+#                        whose smallest volume does not fit a 1 GiB NVDIMM are skipped)
 #        E2E_VM_CPU      QEMU -cpu model (default qemu64, see below)
 #        CSI_PMEM_CACHE  cache root (default ~/.cache/csi-pmem)
 set -euo pipefail
@@ -53,7 +58,7 @@ done
 out_root="${E2E_VM_OUT:-${repo}/build/e2e-vm}"
 timeout_s="${E2E_VM_TIMEOUT:-900}"
 smp="${E2E_VM_SMP:-2}"
-mem="${E2E_VM_MEM:-2G}"
+mem_gib="${E2E_VM_MEM_GIB:-2}"
 # qemu64 (SSE2 only) rather than max: glibc then picks SSE2 string functions, which
 # TCG runs about 10x faster than the AVX2/ERMS ones (64 MiB memset 0.015 s vs 0.19 s);
 # the erase of every volume is such a memset.
@@ -122,9 +127,9 @@ boot() {
     truncate -s 1G "$work/$config-nv0.img" "$work/$config-nv1.img"
     local -a qemu=(
         qemu-system-x86_64 -machine pc,nvdimm=on -accel tcg -cpu "$cpu"
-        -smp "$smp" -m "$mem,slots=4,maxmem=16G"
-        -object memory-backend-ram,id=ram0,size=$(( ${mem%G} * 512 ))M
-        -object memory-backend-ram,id=ram1,size=$(( ${mem%G} * 512 ))M
+        -smp "$smp,sockets=$smp,cores=1,threads=1" -m "${mem_gib}G,slots=4,maxmem=16G"
+        -object "memory-backend-ram,id=ram0,size=$(( mem_gib * 512 ))M"
+        -object "memory-backend-ram,id=ram1,size=$(( mem_gib * 512 ))M"
         -numa node,nodeid=0,cpus=0,memdev=ram0
         -numa node,nodeid=1,cpus=1-$(( smp - 1 )),memdev=ram1
         -object "memory-backend-file,id=nv0,share=on,mem-path=$work/$config-nv0.img,size=1G,align=$nvalign"
