@@ -169,3 +169,25 @@ def test_gpu_load_refuses_corrupt_data(models):
         fh.write(b"\xff\xfe\xfd")
     with pytest.raises(ChecksumError):
         load_safetensors(str(vol), "cuda:0")
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["bounce", "registered"])
+def test_reserved_device_memory_is_used_by_the_next_load(models, mode):
+    from csi_pmem.loader.gpu import GpuLoader
+    from csi_pmem.loader.model import open_model
+
+    vol = lm.staged_volume(models / "sharded", models / "sharded.vol")
+    with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=2, mode=mode) as loader, \
+            open_volume(vol) as v:
+        view = open_model(v)
+        nbytes = loader.reserve(view)
+        arena = loader._arena
+        assert arena is not None and arena.numel() == nbytes
+        start, end = arena.data_ptr(), arena.data_ptr() + nbytes
+        got = load_safetensors(v, "cuda:0", loader=loader)
+        assert loader._arena is None  # consumed by that load
+        assert all(start <= t.data_ptr() < end for t in got.values() if t.numel())
+        again = load_safetensors(v, "cuda:0", loader=loader)  # no reservation: fresh memory
+    assert_same(got, reference(models / "sharded"))
+    assert_same(again, reference(models / "sharded"))
