@@ -4,7 +4,7 @@ PY := .venv/bin/python
 RUN_DIR ?= /tmp/csi-pmem
 export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
 
-.PHONY: setup tools run test unit lint proto proto-check sanity bench clean e2e-vm
+.PHONY: setup tools run test check unit lint proto proto-check sanity bench clean e2e-vm
 
 setup:
 	@bash scripts/setup.sh
@@ -21,14 +21,18 @@ run: setup
 	  --state-dir $(RUN_DIR)/state --kubelet-dir $(RUN_DIR)/kubelet \
 	  --metrics-address 127.0.0.1:9670
 
-test: setup tools proto-check lint
+# Everything CI runs: stubs, lint, all host tests (csi-sanity included), then the VM tier.
+test: check e2e-vm
+
+# The host tiers only (about 5 minutes): unit, real gRPC/mounts/cgroups, csi-sanity.
+check: setup tools proto-check lint
 	CSI_SANITY_REQUIRED=1 $(PY) -m pytest -q -ra --durations=15 tests
 
 unit: setup
 	$(PY) -m pytest -q -ra tests
 
 lint: setup
-	.venv/bin/ruff check csi_pmem tests benchmarks scripts
+	.venv/bin/ruff check csi_pmem tests benchmarks scripts e2e
 
 proto: setup
 	$(PY) scripts/gen_proto.py --write
