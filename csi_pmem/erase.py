@@ -13,9 +13,11 @@ How, and why this way:
   accept only shared, aligned mappings and have no ``read()``/``write()``, so this
   module never uses ``write()``. For devdax the length must be a multiple of the
   namespace align (2 MiB by default; 1 GiB possible).
-* ``MAP_POPULATE`` pre-faults the whole mapping in one kernel call. For devdax that is a
-  handful of 2 MiB/1 GiB page-table entries; for the tmpfs-backed emulated back end it
-  replaces one page fault per 4 KiB page, which otherwise costs more than the stores.
+* Each worker pre-faults its chunk with ``madvise(MADV_POPULATE_WRITE)`` before the
+  stores: for the tmpfs-backed emulated back end one call replaces a page fault per
+  4 KiB page, which otherwise costs more than the stores. ``MAP_POPULATE`` would do the
+  same for the whole volume inside ``mmap.mmap()``, which holds the GIL and so froze
+  every other driver thread (Probe, dax.sock, ABORTED replies) for up to seconds.
 * The range is split into chunks that a thread pool zeroes with ``ctypes.memset``.
   ``ctypes.memset`` is a ``CFUNCTYPE`` foreign function, so the GIL is released for the
   duration of each call and the threads really run in parallel (see
@@ -57,6 +59,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _memcmp = _libc.memcmp
 _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 _memcmp.restype = ctypes.c_int
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
+MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels answer EINVAL and memset faults
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,13 @@ def default_threads() -> int:
 
 
 def _zero_range(addr: int, size: int) -> None:
-    """Zero ``size`` bytes at ``addr``; releases the GIL (ctypes CFUNCTYPE call)."""
+    """Zero ``size`` bytes at ``addr``; releases the GIL (ctypes CFUNCTYPE call).
+
+    The range is pre-faulted first with one madvise() per chunk, in the worker thread:
+    mmap(MAP_POPULATE) would fault the whole volume inside mmap.mmap(), which holds
+    the GIL and so freezes every other thread of the driver for the duration.
+    """
+    _madvise(addr, size, MADV_POPULATE_WRITE)
     ctypes.memset(addr, 0, size)
 
 
@@ -145,7 +157,7 @@ def zero_fd(fd: int, length: int, *, threads: int | None = None, verify: bool = 
     chunks = list(_chunks(length, chunk))
     nthreads = min(nthreads, len(chunks))
 
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    flags = mmap.MAP_SHARED
     start = time.perf_counter()
     try:
         mm = mmap.mmap(fd, length, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -87,6 +87,20 @@ class EmulatedBackend(Backend):
     def _files(self, pool: str) -> list[Path]:
         return sorted(self._dir(pool).glob(f"*{SUFFIX}"))
 
+    def _sized_files(self, pool: str) -> list[tuple[Path, int]]:
+        """Backing files with their sizes, skipping any destroyed since the listing.
+
+        Reads are not under the driver's node lock, so a concurrent destroy may unlink
+        a file between the glob and the stat: it is gone, not an error.
+        """
+        sized = []
+        for path in self._files(pool):
+            try:
+                sized.append((path, path.stat().st_size))
+            except FileNotFoundError:
+                continue
+        return sized
+
     @staticmethod
     def _parse_file(path: Path) -> tuple[str, int] | None:
         stem = path.name[: -len(SUFFIX)]
@@ -100,7 +114,7 @@ class EmulatedBackend(Backend):
         pools = []
         for node, size in self.regions.items():
             name = f"region{node}"
-            used = sum(f.stat().st_size for f in self._files(name))
+            used = sum(size for _, size in self._sized_files(name))
             free = max(0, size - used)
             problem = None
             if used > size:
@@ -116,12 +130,11 @@ class EmulatedBackend(Backend):
         result = []
         for node in self.regions:
             pool = f"region{node}"
-            for path in self._files(pool):
+            for path, size in self._sized_files(pool):
                 parsed = self._parse_file(path)
                 if parsed is None:
                     continue
                 name, align = parsed
-                size = path.stat().st_size
                 device = str(path)
                 if self.device_type == "loop":
                     device = loops.get(str(path)) or self._attach(path)
