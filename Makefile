@@ -4,7 +4,8 @@ PY := .venv/bin/python
 RUN_DIR ?= /tmp/csi-pmem
 export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
 
-.PHONY: setup tools run test check unit lint proto proto-check sanity bench clean e2e-vm
+.PHONY: setup tools run test check unit lint proto proto-check sanity bench clean e2e-vm \
+	helm-lint deploy deploy-check
 
 setup:
 	@bash scripts/setup.sh
@@ -25,7 +26,7 @@ run: setup
 test: check e2e-vm
 
 # The host tiers only (about 5 minutes): unit, real gRPC/mounts/cgroups, csi-sanity.
-check: setup tools proto-check lint
+check: setup tools proto-check lint deploy-check
 	CSI_SANITY_REQUIRED=1 $(PY) -m pytest -q -ra --durations=15 tests
 
 unit: setup
@@ -42,6 +43,20 @@ proto-check: setup
 
 sanity: setup tools
 	CSI_SANITY_REQUIRED=1 $(PY) -m pytest -q -ra -s tests/test_csi_sanity.py
+
+# The Helm chart: lint it (strict: warnings fail); render deploy/ from it; check that
+# deploy/ is what the chart renders (CI). helm v3 is built from the Go module proxy into
+# $(CSI_PMEM_CACHE) on first use (scripts/install-helm.sh).
+helm-lint:
+	@helm="$$(bash scripts/install-helm.sh | tail -n 1)" && \
+	  "$$helm" lint --strict charts/csi-pmem && \
+	  "$$helm" lint --strict charts/csi-pmem -f charts/csi-pmem/ci/emulated-values.yaml
+
+deploy:
+	@bash scripts/render-deploy.sh
+
+deploy-check: helm-lint
+	@bash scripts/render-deploy.sh --check
 
 bench: setup
 	$(PY) benchmarks/bench_driver.py

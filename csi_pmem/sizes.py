@@ -30,7 +30,7 @@ _SUFFIX = {
     "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
     "Ki": KiB, "Mi": MiB, "Gi": GiB, "Ti": TiB,
 }
-_QUANTITY = re.compile(r"^\s*(\d+)\s*([kKMGT]i?)?\s*$")
+_QUANTITY = re.compile(r"^\s*(\d+)\s*(Ki|Mi|Gi|Ti|k|K|M|G|T)?\s*$")
 
 
 def parse_quantity(text: str) -> int:

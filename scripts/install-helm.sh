@@ -13,13 +13,16 @@
 #        CSI_PMEM_CACHE   cache root (default: $HOME/.cache/csi-pmem)
 #        GOPROXY          left as the environment's default
 # Output: the absolute path of the helm binary, as the last line of stdout.
-# Exit:  0 installed; 1 no go or the proxy cannot provide the version (callers skip on it).
+# Exit:  0 installed; 3 the Go module proxy cannot provide helm (callers may skip on
+#        that, e.g. tests/test_chart.py); 1 anything else (no go, bad HELM_VERSION).
 set -euo pipefail
 
 # Newest v3 tag that resolved and built from the proxy when this was written (probed
 # with --latest; helm v4 exists too, but the e2e and users' CI still target v3).
 HELM_PINNED="v3.22.0"
 HELM_MODULE="helm.sh/helm/v3"
+# Bump when the build flags below change: cached binaries of another recipe are rebuilt.
+RECIPE="go-install-cgo0-ldflags-kubeversion-1"
 
 want="${HELM_VERSION:-${HELM_PINNED}}"
 [[ "${1:-}" == "--latest" ]] && want=latest
@@ -44,7 +47,7 @@ if [[ "${want}" == latest ]]; then
         | grep -E '^v3\.[0-9]+\.[0-9]+$' | sort -rV | head -n 3 || true)
     if ((${#candidates[@]} == 0)); then
         log "error: ${proxy} lists no ${HELM_MODULE} v3 release"
-        exit 1
+        exit 3
     fi
 else
     if [[ ! "${want}" =~ ^v3\.[0-9]+\.[0-9]+$ ]]; then
@@ -54,30 +57,52 @@ else
     candidates=("${want}")
 fi
 
+# The link flags of helm's own release builds (its Makefile): the version, and the
+# Kubernetes version of its client-go as the default .Capabilities.KubeVersion. Without
+# the latter a source build claims Kubernetes 1.20, and `helm template` refuses every
+# chart whose kubeVersion asks for more.
+ldflags_for() {  # ldflags_for <version> -> prints the -ldflags value
+    local v="$1" gomod kver major minor
+    gomod="$(go mod download -json "${HELM_MODULE}@${v}" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",*$/\1/p')"
+    [[ -n "${gomod}" && -f "${gomod}" ]] || return 1
+    kver="$(awk '$1 == "k8s.io/client-go" { print $2; exit }' "${gomod}")"  # v0.37.0
+    # client-go v0.X.Y is Kubernetes 1.X (helm's Makefile does the same mapping).
+    major=1
+    minor="$(echo "${kver}" | cut -d. -f2)"
+    [[ "${kver}" == v0.* && "${minor}" =~ ^[0-9]+$ ]] || return 1
+    local flags="-s -w -X ${HELM_MODULE}/internal/version.version=${v}"
+    for pkg in pkg/chartutil pkg/lint/rules; do
+        flags+=" -X ${HELM_MODULE}/${pkg}.k8sVersionMajor=${major}"
+        flags+=" -X ${HELM_MODULE}/${pkg}.k8sVersionMinor=${minor}"
+    done
+    echo "${flags}"
+}
+
 build() {  # build <version> -> installs into the cache, prints nothing on stdout
-    local v="$1" dir="${cache_root}/helm-$1" tmp start
+    local v="$1" dir="${cache_root}/helm-$1" tmp start ldflags
     mkdir -p "${dir}/bin"
+    ldflags="$(ldflags_for "${v}")" || { log "cannot read ${HELM_MODULE}@${v}'s go.mod"; return 1; }
     # Build into a temporary GOBIN and move into place only on success, so an
     # interrupted build never leaves a binary the "already installed" check accepts.
     tmp="$(mktemp -d "${dir}/bin.tmp.XXXXXX")"
     log "building helm ${v} into ${dir}/bin (cold: minutes)"
     start=$(date +%s)
-    # CGO off and the version stamped like the release builds do (`helm version`).
+    # CGO off, static, like the release builds.
     if ! GOBIN="${tmp}" CGO_ENABLED=0 GOFLAGS="${GOFLAGS:+${GOFLAGS} }-mod=mod" \
-        go install -trimpath \
-        -ldflags "-s -w -X ${HELM_MODULE}/internal/version.version=${v}" \
-        "${HELM_MODULE}/cmd/helm@${v}" >&2; then
+        go install -trimpath -ldflags "${ldflags}" "${HELM_MODULE}/cmd/helm@${v}" >&2; then
         rm -rf "${tmp}"
         return 1
     fi
     mv -f "${tmp}/helm" "${dir}/bin/helm"
+    echo "${RECIPE}" > "${dir}/recipe"
     rm -rf "${tmp}"
     log "built helm ${v} in $(( $(date +%s) - start )) s"
 }
 
 for v in "${candidates[@]}"; do
     bin="${cache_root}/helm-${v}/bin/helm"
-    if [[ -x "${bin}" ]]; then
+    # A binary from an older recipe of this script (other link flags) is rebuilt.
+    if [[ -x "${bin}" && "$(cat "${cache_root}/helm-${v}/recipe" 2>/dev/null)" == "${RECIPE}" ]]; then
         log "helm ${v} already installed"
         echo "${bin}"
         exit 0
@@ -89,4 +114,4 @@ for v in "${candidates[@]}"; do
     log "helm ${v} did not build from the module proxy"
 done
 log "error: the Go module proxy could not provide helm (${candidates[*]})"
-exit 1
+exit 3

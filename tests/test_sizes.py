@@ -38,7 +38,7 @@ def test_parse_quantity(text, value):
     assert parse_quantity(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "-1Gi", "1.5Gi", "Gi", "1Gb", "1 G i"])
+@pytest.mark.parametrize("text", ["", "-1Gi", "1.5Gi", "Gi", "1Gb", "1 G i", "1ki"])
 def test_parse_quantity_rejects(text):
     with pytest.raises(InvalidArgument):
         parse_quantity(text)

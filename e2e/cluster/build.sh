@@ -20,6 +20,7 @@
 # test bed builds small stand-ins that speak the same kubelet plugin-registration and
 # CSI Probe APIs and take the same flags (see sidecars/README in e2e/cluster/README.md).
 set -euo pipefail
+shopt -s inherit_errexit
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=versions.sh
 . "${here}/versions.sh"
@@ -98,9 +99,10 @@ build_k8s() {
 build_etcd() {
   wrap_build etcd "$(key_of "${ETCD_VERSION}")" "" "go.etcd.io/etcd/server/v3 ${ETCD_VERSION}" \
     "-s -w" go.etcd.io/etcd/server/v3
-  # The server module's main package builds as "v3": name it.
+  # The server module's main package builds as "server": name it.
   local d="${cdir}/etcd-$(key_of "${ETCD_VERSION}")/bin"
-  [[ -x "${d}/etcd" ]] || mv "${d}/v3" "${d}/etcd"
+  [[ -x "${d}/etcd" ]] || mv "${d}/server" "${d}/etcd"
+  echo "${d}"
 }
 
 build_provisioner() {

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Tear down what up.sh started, by recorded PID, and everything it left behind: pod
+# containers and their containerd shims, every mount below the temp root (kubelet pod
+# volumes, the driver's tmpfs publishes, overlay roots, netns files), the cgroups, the
+# interfaces and iptables chains it created. Safe to run twice, and after a failed or
+# half-finished up.sh. Copies the logs to $E2E_LOG_DIR (default build/e2e-cluster/logs)
+# before deleting the temp root.
+#
+# Usage: e2e/cluster/down.sh      Env: E2E_ROOT (default /tmp/csi-pmem-e2e), E2E_LOG_DIR
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+# shellcheck source=net.sh
+. "${here}/net.sh"
+ROOT="${E2E_ROOT:-/tmp/csi-pmem-e2e}"
+LOG_DIR="${E2E_LOG_DIR:-${here}/../../build/e2e-cluster/logs}"
+log() { echo "down: $*" >&2; }
+[[ -d "${ROOT}" ]] || { log "nothing to do (${ROOT} does not exist)"; exit 0; }
+
+# stop_pid NAME PID [MATCH]: TERM, wait up to 10 s, KILL. MATCH (a string that must be
+# in the process's command line) guards against a recycled PID.
+stop_pid() {
+  local name=$1 pid=$2 match=${3:-}
+  [[ "${pid}" =~ ^[0-9]+$ ]] || return 0
+  kill -0 "${pid}" 2>/dev/null || return 0
+  if [[ -n "${match}" ]] && ! tr '\0' ' ' < "/proc/${pid}/cmdline" 2>/dev/null \
+      | grep -qF -- "${match}"; then
+    log "pid ${pid} (${name}) is no longer ours; leaving it"
+    return 0
+  fi
+  kill -TERM "${pid}" 2>/dev/null
+  local i
+  for i in $(seq 100); do kill -0 "${pid}" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "${pid}" 2>/dev/null; then
+    log "${name} (pid ${pid}) ignored SIGTERM; SIGKILL"
+    kill -KILL "${pid}" 2>/dev/null
+    for i in $(seq 50); do kill -0 "${pid}" 2>/dev/null || break; sleep 0.1; done
+  fi
+  log "stopped ${name} (pid ${pid})"
+}
+stop_recorded() {  # stop_recorded NAME
+  local f="${ROOT}/pids/$1.pid"
+  [[ -f "${f}" ]] || return 0
+  stop_pid "$1" "$(cat "${f}")" "$2"
+  rm -f "${f}"
+}
+
+# 1. kubelet and the controllers first, so nothing restarts the pods we stop next.
+stop_recorded kubelet kubelet
+stop_recorded kube-controller-manager kube-controller-manager
+stop_recorded kube-scheduler kube-scheduler
+
+# 2. Pod containers: kill every task through our containerd while it still runs, then
+#    stop the shims by the PIDs containerd recorded for them (shim.pid in each bundle).
+ctrd="${ROOT}/containerd"
+sock="${ctrd}/containerd.sock"
+if [[ -S "${sock}" ]] && kill -0 "$(cat "${ROOT}/pids/containerd.pid" 2>/dev/null)" 2>/dev/null
+then
+  ctr_() { timeout 20 ctr --address "${sock}" -n k8s.io "$@"; }
+  for t in $(ctr_ tasks ls -q 2>/dev/null); do
+    ctr_ tasks kill -a -s SIGKILL "${t}" >/dev/null 2>&1
+  done
+  for i in $(seq 50); do
+    [[ -z "$(ctr_ tasks ls 2>/dev/null | awk 'NR>1 && $3!="STOPPED"')" ]] && break
+    sleep 0.2
+  done
+  for t in $(ctr_ tasks ls -q 2>/dev/null); do ctr_ tasks rm -f "${t}" >/dev/null 2>&1; done
+fi
+for f in "${ctrd}"/state/io.containerd.runtime.v2.task/*/*/shim.pid; do
+  [[ -f "${f}" ]] || continue
+  stop_pid "shim $(basename "$(dirname "${f}")" | cut -c1-12)" "$(cat "${f}")" "${sock}"
+done
+for f in "${ctrd}"/state/io.containerd.runtime.v2.task/*/*/init.pid; do
+  [[ -f "${f}" ]] || continue
+  pid=$(cat "${f}")
+  # A container process outlives its shim only if something went badly wrong.
+  if [[ -d "/proc/${pid}" ]] && grep -q "${CGROUP_ROOT}" "/proc/${pid}/cgroup" 2>/dev/null; then
+    kill -KILL "${pid}" 2>/dev/null && log "killed container init ${pid}"
+  fi
+done
+stop_recorded containerd "${ctrd}/config.toml"
+
+# 3. Control plane.
+stop_recorded kube-apiserver kube-apiserver
+stop_recorded etcd etcd
+# Anything else recorded (a driver started by hand, port-forwards, ...).
+for f in "${ROOT}"/pids/*.pid; do
+  [[ -f "${f}" ]] || continue
+  stop_recorded "$(basename "${f}" .pid)" ""
+done
+
+# 4. Any process still in our cgroups (pods whose shim died early) is ours: stop it.
+for c in /sys/fs/cgroup/*/"${CGROUP_ROOT}"; do
+  [[ -d "${c}" ]] || continue
+  for p in $(find "${c}" -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u); do
+    kill -KILL "${p}" 2>/dev/null && log "killed leftover pod process ${p}"
+  done
+done
+
+# 5. Unmount everything below the root, deepest first; lazily if busy. Repeat: mounts
+#    that propagated into several places can need more than one pass.
+for pass in 1 2 3; do
+  mapfile -t mps < <(awk -v r="${ROOT}" '$5 == r || index($5, r "/") == 1 {print $5}' \
+    /proc/self/mountinfo | awk '{print length, $0}' | sort -rn | cut -d' ' -f2- | uniq)
+  ((${#mps[@]})) || break
+  for m in "${mps[@]}"; do
+    m=$(printf '%b' "${m}")   # mountinfo escapes spaces as \040
+    umount "${m}" 2>/dev/null || umount -l "${m}" 2>/dev/null || true
+  done
+done
+left=$(awk -v r="${ROOT}" '$5 == r || index($5, r "/") == 1' /proc/self/mountinfo | wc -l)
+((left == 0)) || log "WARNING: ${left} mounts below ${ROOT} could not be removed"
+
+# 6. Cgroups (children first), interfaces, iptables chains.
+for c in /sys/fs/cgroup/*/"${CGROUP_ROOT}"; do
+  [[ -d "${c}" ]] || continue
+  find "${c}" -depth -type d -exec rmdir {} \; 2>/dev/null
+  [[ -d "${c}" ]] && log "WARNING: cgroup ${c} still has members"
+done
+net_down "${ROOT}"
+
+# 7. Keep the logs, drop the root (on a different file system than the repo, mv fails).
+if [[ -d "${ROOT}/logs" ]]; then
+  rm -rf "${LOG_DIR}"; mkdir -p "${LOG_DIR}"
+  cp -r "${ROOT}/logs/." "${LOG_DIR}/" 2>/dev/null
+  find "${ROOT}/pod-logs" -name '*.log' 2>/dev/null | while read -r f; do
+    d="${LOG_DIR}/pods/$(basename "$(dirname "$(dirname "${f}")")")"
+    mkdir -p "${d}"; cp "${f}" "${d}/$(basename "$(dirname "${f}")")-$(basename "${f}")"
+  done
+fi
+if [[ -z "$(awk -v r="${ROOT}" '$5 == r || index($5, r "/") == 1' /proc/self/mountinfo)" ]]
+then
+  rm -rf "${ROOT}"
+  log "removed ${ROOT}; logs in $(readlink -f "${LOG_DIR}")"
+else
+  log "WARNING: left ${ROOT} in place (mounts remain)"
+  exit 1
+fi

@@ -1,0 +1,313 @@
+#!/usr/bin/env bash
+# Bring up a real single-node Kubernetes on this host, everything under one temp root:
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, containerd + runc (own
+# config, state, socket), kubelet (cgroupfs driver, cgroup v1 allowed, root dir under the
+# temp root) and a CNI bridge. Every process started is recorded in $E2E_ROOT/pids and
+# stopped by down.sh, which also runs on any failure here.
+#
+# Usage: e2e/cluster/up.sh BIN_DIR IMAGES_ENV     (outputs of build.sh and images.sh)
+# Env:   E2E_ROOT  temp root (default /tmp/csi-pmem-e2e); must not exist or be a
+#                  leftover that down.sh cleans first
+# Writes $E2E_ROOT/cluster.env (KUBECONFIG, KUBELET_DIR, NODE_NAME, images, ...).
+#
+# Network hygiene: apiserver and kubelet listen on the cluster bridge's own address,
+# etcd and the controllers on loopback; pods get a route to the bridge subnet and the
+# service CIDR only (no default route, no DNS server, no masquerade, no IP forwarding);
+# the service CIDR is routed to a dummy interface, and the one service pods need (the
+# "kubernetes" service) is DNATed to the apiserver by a chain of our own, since there is
+# no kube-proxy.
+set -euo pipefail
+shopt -s inherit_errexit
+here="$(cd "$(dirname "$0")" && pwd)"
+bindir="$(readlink -f "${1:?usage: up.sh BIN_DIR IMAGES_ENV}")"
+images_env="$(readlink -f "${2:?usage: up.sh BIN_DIR IMAGES_ENV}")"
+# shellcheck source=net.sh
+. "${here}/net.sh"
+ROOT="${E2E_ROOT:-/tmp/csi-pmem-e2e}"
+NODE_NAME="${E2E_NODE_NAME:-csi-pmem-e2e-node}"
+export PATH="${bindir}:${PATH}"
+log() { echo "up: [$(date +%T)] $*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+[[ "$(id -u)" == 0 ]] || die "run as root (mounts, cgroups, network interfaces)"
+for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do
+  [[ -x "${bindir}/${b}" ]] || die "${bindir}/${b} missing: run e2e/cluster/build.sh"
+done
+for b in containerd containerd-shim-runc-v2 runc ctr openssl iptables ip; do
+  command -v "${b}" >/dev/null || die "${b} missing: run e2e/cluster/build.sh debs"
+done
+if [[ -e "${ROOT}/pids" || -e "${ROOT}/state.env" ]]; then
+  log "leftover ${ROOT}: cleaning it with down.sh first"
+  E2E_ROOT="${ROOT}" "${here}/down.sh"
+fi
+
+on_fail() {
+  local rc=$?
+  log "failed (rc ${rc}); last lines of the logs:"
+  for f in "${ROOT}"/logs/*.log; do
+    [[ -f "${f}" ]] && { echo "--- ${f}" >&2; tail -5 "${f}" >&2; }
+  done
+  [[ -n "${E2E_KEEP_ON_FAILURE:-}" ]] || E2E_ROOT="${ROOT}" "${here}/down.sh" || true
+  exit "${rc}"
+}
+trap on_fail ERR
+
+t_up=$(date +%s)
+mkdir -p "${ROOT}"/{pids,logs,pki,etcd,containerd,cni/net.d,cni/ipam,kubelet,pod-logs,runc}
+echo "ROOT=${ROOT}" > "${ROOT}/state.env"
+
+# A shared mount at the root: kubelet's dir needs Bidirectional propagation for the
+# driver's tmpfs mounts (the host's / is private here), and down.sh unmounts below it.
+mount --bind "${ROOT}" "${ROOT}"
+mount --make-rshared "${ROOT}"
+echo "ROOT_BIND=1" >> "${ROOT}/state.env"
+
+# ---------------------------------------------------------------- network
+for m in overlay bridge veth dummy br_netfilter; do modprobe -q "${m}" 2>/dev/null || true; done
+net_up "${ROOT}"
+
+# ---------------------------------------------------------------- certificates
+pki="${ROOT}/pki"
+(
+  cd "${pki}"
+  exec 2>"${ROOT}/logs/openssl.log"
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 2 \
+    -subj "/CN=csi-pmem-e2e-ca"
+  openssl genrsa -out sa.key 2048
+  openssl rsa -in sa.key -pubout -out sa.pub
+  cert() {  # cert NAME SUBJECT [SAN]
+    openssl req -newkey rsa:2048 -nodes -keyout "$1.key" -out "$1.csr" -subj "$2"
+    local ext="extendedKeyUsage=serverAuth,clientAuth"
+    [[ -n "${3:-}" ]] && ext+=$'\n'"subjectAltName=$3"
+    openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 \
+      -out "$1.crt" -extfile <(printf '%s\n' "${ext}")
+  }
+  cert apiserver "/CN=kube-apiserver" \
+    "IP:${APISERVER_IP},IP:${KUBERNETES_SVC_IP},IP:127.0.0.1,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,DNS:localhost"
+  cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client"
+  cert admin "/O=system:masters/CN=csi-pmem-e2e-admin"
+  cert controller-manager "/CN=system:kube-controller-manager"
+  cert scheduler "/CN=system:kube-scheduler"
+  cert kubelet-client "/O=system:nodes/CN=system:node:${NODE_NAME}"
+  cert kubelet "/CN=${NODE_NAME}" "IP:${APISERVER_IP},DNS:${NODE_NAME}"
+)
+server="https://${APISERVER_IP}:${APISERVER_PORT}"
+kubeconfig() {  # kubeconfig NAME CERT
+  cat > "${ROOT}/$1.kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster: {server: "${server}", certificate-authority: "${pki}/ca.crt"}
+users:
+- name: $1
+  user: {client-certificate: "${pki}/$2.crt", client-key: "${pki}/$2.key"}
+contexts:
+- name: e2e
+  context: {cluster: e2e, user: $1}
+current-context: e2e
+EOF
+}
+kubeconfig admin admin
+kubeconfig controller-manager controller-manager
+kubeconfig scheduler scheduler
+kubeconfig kubelet kubelet-client
+export KUBECONFIG="${ROOT}/admin.kubeconfig"
+
+start() {  # start NAME CMD... : run in its own session, record the PID
+  local name=$1; shift
+  setsid "$@" > "${ROOT}/logs/${name}.log" 2>&1 < /dev/null &
+  echo $! > "${ROOT}/pids/${name}.pid"
+  log "${name} started (pid $!)"
+}
+wait_for() {  # wait_for WHAT SECONDS CMD...
+  local what=$1 secs=$2; shift 2
+  local t0; t0=$(date +%s)
+  until "$@" >/dev/null 2>&1; do
+    (( $(date +%s) - t0 < secs )) || die "${what} not ready after ${secs} s"
+    for p in "${ROOT}"/pids/*.pid; do
+      kill -0 "$(cat "${p}")" 2>/dev/null || die "$(basename "${p}" .pid) exited (see ${ROOT}/logs)"
+    done
+    sleep 0.5
+  done
+  log "${what} ready after $(( $(date +%s) - t0 )) s"
+}
+
+# ---------------------------------------------------------------- etcd
+start etcd etcd --name e2e --data-dir "${ROOT}/etcd" \
+  --listen-client-urls "http://127.0.0.1:${ETCD_PORT}" \
+  --advertise-client-urls "http://127.0.0.1:${ETCD_PORT}" \
+  --listen-peer-urls "http://127.0.0.1:${ETCD_PEER_PORT}" \
+  --initial-advertise-peer-urls "http://127.0.0.1:${ETCD_PEER_PORT}" \
+  --initial-cluster "e2e=http://127.0.0.1:${ETCD_PEER_PORT}" \
+  --listen-metrics-urls "" --log-level warn --unsafe-no-fsync
+wait_for etcd 60 curl -sf "http://127.0.0.1:${ETCD_PORT}/health"
+
+# ---------------------------------------------------------------- containerd
+# Started early: importing the images overlaps with the control plane's start.
+ctrd="${ROOT}/containerd"
+# shellcheck disable=SC1090
+. "${images_env}"
+cat > "${ctrd}/config.toml" <<EOF
+version = 2
+root = "${ctrd}/root"
+state = "${ctrd}/state"
+plugin_dir = ""
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs",
+  "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+[grpc]
+  address = "${ctrd}/containerd.sock"
+[ttrpc]
+  address = "${ctrd}/containerd.sock.ttrpc"
+[debug]
+  address = ""
+[metrics]
+  address = ""
+[plugins."io.containerd.internal.v1.opt"]
+  path = "${ctrd}/opt"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "${PAUSE_IMAGE}"
+  # root here lacks CAP_SYS_RESOURCE: never lower a container's oom_score_adj below ours.
+  restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  enable_selinux = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    discard_unpacked_layers = false
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        Root = "${ROOT}/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "${ROOT}/cni/net.d"
+    max_conf_num = 1
+EOF
+write_cni_conf "${ROOT}"
+start containerd containerd --config "${ctrd}/config.toml" --log-level warn
+ctr_() { ctr --address "${ctrd}/containerd.sock" -n k8s.io "$@"; }
+wait_for containerd 30 ctr_ version
+import_images() {
+  local t0; t0=$(date +%s)
+  local v
+  for v in PAUSE DRIVER WORKLOAD PROVISIONER REGISTRAR LIVENESSPROBE; do
+    local a="${v}_IMAGE_ARCHIVE"
+    ctr_ images import --no-unpack=false "${!a}" > /dev/null
+  done
+  # Pin the sandbox image so kubelet's image GC never removes it.
+  ctr_ images label "${PAUSE_IMAGE}" io.cri-containerd.pinned=pinned > /dev/null
+  echo "$(( $(date +%s) - t0 ))" > "${ROOT}/logs/import-seconds"
+}
+import_images > "${ROOT}/logs/import.log" 2>&1 &
+import_pid=$!
+
+# ---------------------------------------------------------------- control plane
+start kube-apiserver kube-apiserver \
+  --etcd-servers "http://127.0.0.1:${ETCD_PORT}" \
+  --bind-address "${APISERVER_IP}" --advertise-address "${APISERVER_IP}" \
+  --secure-port "${APISERVER_PORT}" \
+  --service-cluster-ip-range "${SERVICE_CIDR}" \
+  --tls-cert-file "${pki}/apiserver.crt" --tls-private-key-file "${pki}/apiserver.key" \
+  --client-ca-file "${pki}/ca.crt" \
+  --kubelet-client-certificate "${pki}/apiserver-kubelet-client.crt" \
+  --kubelet-client-key "${pki}/apiserver-kubelet-client.key" \
+  --kubelet-preferred-address-types InternalIP \
+  --service-account-key-file "${pki}/sa.pub" \
+  --service-account-signing-key-file "${pki}/sa.key" \
+  --service-account-issuer "https://kubernetes.default.svc.cluster.local" \
+  --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction \
+  --allow-privileged=true --profiling=false --v=1
+wait_for kube-apiserver 120 kubectl get --raw /readyz
+start kube-controller-manager kube-controller-manager \
+  --kubeconfig "${ROOT}/controller-manager.kubeconfig" \
+  --authentication-kubeconfig "${ROOT}/controller-manager.kubeconfig" \
+  --authorization-kubeconfig "${ROOT}/controller-manager.kubeconfig" \
+  --bind-address 127.0.0.1 --secure-port "${KCM_PORT}" --leader-elect=false \
+  --service-account-private-key-file "${pki}/sa.key" --root-ca-file "${pki}/ca.crt" \
+  --use-service-account-credentials=true --service-cluster-ip-range "${SERVICE_CIDR}" \
+  --allocate-node-cidrs=false --profiling=false --v=1
+start kube-scheduler kube-scheduler \
+  --kubeconfig "${ROOT}/scheduler.kubeconfig" \
+  --authentication-kubeconfig "${ROOT}/scheduler.kubeconfig" \
+  --authorization-kubeconfig "${ROOT}/scheduler.kubeconfig" \
+  --bind-address 127.0.0.1 --secure-port "${SCHED_PORT}" --leader-elect=false \
+  --profiling=false --v=1
+
+# ---------------------------------------------------------------- kubelet
+# kubelet's pods go below a cgroup of our own in every v1 hierarchy (and the unified
+# one): down.sh removes it, and nothing of ours lands in the host's top-level cgroups.
+for c in /sys/fs/cgroup/*/; do
+  mkdir -p "${c}${CGROUP_ROOT}"
+  if [[ -f "${c}cpuset.cpus" ]]; then
+    cat "${c}cpuset.cpus" > "${c}${CGROUP_ROOT}/cpuset.cpus"
+    cat "${c}cpuset.mems" > "${c}${CGROUP_ROOT}/cpuset.mems"
+  fi
+done
+echo "CGROUP_ROOT=${CGROUP_ROOT}" >> "${ROOT}/state.env"
+: > "${ROOT}/resolv.conf"   # pods get no DNS server at all
+cat > "${ROOT}/kubelet-config.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: /${CGROUP_ROOT}
+containerRuntimeEndpoint: unix://${ctrd}/containerd.sock
+address: ${APISERVER_IP}
+port: ${KUBELET_PORT}
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: ${KUBELET_HEALTHZ_PORT}
+tlsCertFile: ${pki}/kubelet.crt
+tlsPrivateKeyFile: ${pki}/kubelet.key
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: ${pki}/ca.crt}
+authorization: {mode: Webhook}
+resolvConf: ${ROOT}/resolv.conf
+clusterDomain: cluster.local
+podLogsDir: ${ROOT}/pod-logs
+volumePluginDir: ${ROOT}/kubelet/volume-plugins
+makeIPTablesUtilChains: false
+failSwapOn: false
+staticPodPath: ""
+syncFrequency: 10s
+fileCheckFrequency: 10s
+nodeStatusUpdateFrequency: 5s
+serializeImagePulls: false
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available: 1%, nodefs.inodesFree: 1%}
+enforceNodeAllocatable: [pods]
+maxPods: 50
+EOF
+start kubelet kubelet --config "${ROOT}/kubelet-config.yaml" \
+  --kubeconfig "${ROOT}/kubelet.kubeconfig" --root-dir "${ROOT}/kubelet" \
+  --hostname-override "${NODE_NAME}" --node-ip "${APISERVER_IP}" --v=1
+wait "${import_pid}" || die "image import failed: $(tail -5 "${ROOT}/logs/import.log")"
+log "images imported in $(cat "${ROOT}/logs/import-seconds") s"
+node_ready() {
+  [[ "$(kubectl get node "${NODE_NAME}" \
+    -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}')" == True ]]
+}
+wait_for "node ${NODE_NAME}" 120 node_ready
+wait_for "default service account" 60 kubectl -n default get serviceaccount default
+
+cat > "${ROOT}/cluster.env" <<EOF
+E2E_ROOT=${ROOT}
+KUBECONFIG=${ROOT}/admin.kubeconfig
+KUBELET_DIR=${ROOT}/kubelet
+NODE_NAME=${NODE_NAME}
+BIN_DIR=${bindir}
+CONTAINERD_SOCK=${ctrd}/containerd.sock
+STATE_DIR=${ROOT}/csi-pmem-state
+EOF
+grep -E '^[A-Z_]+_IMAGE=' "${images_env}" >> "${ROOT}/cluster.env"
+trap - ERR
+log "cluster up in $(( $(date +%s) - t_up )) s; env: ${ROOT}/cluster.env"
+echo "${ROOT}/cluster.env"

@@ -1,0 +1,608 @@
+"""The Helm chart, the manifests rendered from it and the Dockerfile, checked without a cluster.
+
+Why: the cluster tier (``make e2e-cluster``) installs the chart on a real kubelet, but it
+takes many minutes and cannot say which of the chart's promises broke. These tests
+render the chart with ``helm template`` and hold it to the facts the design rests on
+(shared/DESIGN.md 1.2 and 1.5): the CSIDriver fields kubelet and the scheduler read,
+hostPID for the dax.sock peer check, Bidirectional propagation on the kubelet
+directory, external-provisioner in node-deployment mode with capacity tracking, RBAC
+that covers exactly what that mode needs, StorageClasses that point at the driver.
+They also check that the schema rejects bad values, that deploy/ is what the chart
+renders, and that the Dockerfile installs what the cluster test bed's image installs.
+
+helm v3 comes from ``scripts/install-helm.sh`` (built from the Go module proxy, cached
+outside the repo; ``HELM`` points at another binary). The tests skip only when the
+proxy cannot provide helm (the script's exit status 3), with its reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from csi_pmem import DEFAULT_DRIVER_NAME
+from csi_pmem.config import DEFAULTS, env_name
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "csi-pmem"
+EMULATED_VALUES = CHART / "ci" / "emulated-values.yaml"
+INSTALL_HELM = REPO / "scripts" / "install-helm.sh"
+RENDER_DEPLOY = REPO / "scripts" / "render-deploy.sh"
+DOCKERFILE = REPO / "Dockerfile"
+CLUSTER_DIR = REPO / "e2e" / "cluster"
+NAMESPACE = "csi-pmem"
+
+# A cold helm build takes minutes on 2 cores; it happens inside the first test's setup.
+pytestmark = pytest.mark.timeout(1800)
+
+
+# --------------------------------------------------------------------------- helm
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    given = os.environ.get("HELM")
+    if given:
+        return given
+    proc = subprocess.run(["bash", str(INSTALL_HELM)], capture_output=True, text=True,
+                          timeout=1700)
+    if proc.returncode == 3:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        pytest.skip(f"the Go module proxy cannot provide helm: {tail}")
+    assert proc.returncode == 0, f"scripts/install-helm.sh failed:\n{proc.stderr[-3000:]}"
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def run_helm(helm: str, command: str, *args: str,
+             chart: Path = CHART) -> subprocess.CompletedProcess:
+    release = ["csi-pmem"] if command == "template" else []
+    return subprocess.run([helm, command, *release, str(chart), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def render(helm: str, *args: str, chart: Path = CHART) -> list[dict[str, Any]]:
+    """``helm template`` into the csi-pmem namespace; the parsed documents."""
+    proc = run_helm(helm, "template", "--namespace", NAMESPACE, *args, chart=chart)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+class Manifests:
+    """Rendered objects, looked up by kind (and name)."""
+
+    def __init__(self, docs: list[dict[str, Any]]) -> None:
+        self.docs = docs
+
+    def all(self, kind: str) -> list[dict[str, Any]]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def one(self, kind: str, name: str | None = None) -> dict[str, Any]:
+        found = [d for d in self.all(kind) if name is None or d["metadata"]["name"] == name]
+        assert len(found) == 1, f"want one {kind} {name or ''}, got {len(found)}"
+        return found[0]
+
+    @property
+    def pod(self) -> dict[str, Any]:
+        return self.one("DaemonSet")["spec"]["template"]["spec"]
+
+    def container(self, name: str) -> dict[str, Any]:
+        found = [c for c in self.pod["containers"] if c["name"] == name]
+        assert len(found) == 1, [c["name"] for c in self.pod["containers"]]
+        return found[0]
+
+    def env(self, container: str) -> dict[str, Any]:
+        return {e["name"]: e.get("value", e.get("valueFrom"))
+                for e in self.container(container).get("env", [])}
+
+    def host_path(self, volume: str) -> str:
+        vols = {v["name"]: v for v in self.pod["volumes"]}
+        return vols[volume]["hostPath"]["path"]
+
+    def mounts(self, container: str) -> dict[str, dict[str, Any]]:
+        return {m["name"]: m for m in self.container(container).get("volumeMounts", [])}
+
+
+@pytest.fixture(scope="session")
+def default(helm: str) -> Manifests:
+    return Manifests(render(helm))
+
+
+@pytest.fixture(scope="session")
+def emulated(helm: str) -> Manifests:
+    return Manifests(render(helm, "-f", str(EMULATED_VALUES)))
+
+
+# --------------------------------------------------------------------------- lint
+
+
+@pytest.mark.parametrize("values", [None, EMULATED_VALUES], ids=["default", "emulated"])
+def test_helm_lint_strict_is_clean(helm: str, values: Path | None) -> None:
+    proc = run_helm(helm, "lint", "--strict", *(["-f", str(values)] if values else []))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "[WARNING]" not in out and "[ERROR]" not in out, out
+    assert "1 chart(s) linted, 0 chart(s) failed" in out
+
+
+# --------------------------------------------------------------------------- CSIDriver
+
+
+def test_csidriver_fields(default: Manifests) -> None:
+    spec = default.one("CSIDriver", DEFAULT_DRIVER_NAME)["spec"]
+    assert spec["attachRequired"] is False          # node-local: no ControllerPublish
+    assert spec["podInfoOnMount"] is True           # pod.uid for the dax.sock peer check
+    assert spec["storageCapacity"] is True          # the scheduler reads CSIStorageCapacity
+    assert spec["fsGroupPolicy"] == "None"          # the published tmpfs is sealed read-only
+    assert spec["volumeLifecycleModes"] == ["Persistent"]
+
+
+# --------------------------------------------------------------------------- DaemonSet
+
+
+def test_node_plugin_pod(default: Manifests) -> None:
+    pod = default.pod
+    assert pod["hostPID"] is True, "SO_PEERCRED pids must resolve in /proc (DESIGN 1.2)"
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["serviceAccountName"] == default.one("ServiceAccount")["metadata"]["name"]
+    assert {c["name"] for c in pod["containers"]} == {
+        "driver", "csi-provisioner", "node-driver-registrar", "liveness-probe"}
+    assert pod["nodeSelector"]["kubernetes.io/os"] == "linux"
+    ds = default.one("DaemonSet")
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_driver_container(default: Manifests) -> None:
+    driver = default.container("driver")
+    assert driver["securityContext"]["privileged"] is True
+    assert driver["command"] == ["csi-pmem", "serve"]
+    env = default.env("driver")
+    assert env["CSI_PMEM_NODE_ID"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["CSI_PMEM_ENDPOINT"] == "unix:///csi/csi.sock"
+    assert env["CSI_PMEM_DRIVER_NAME"] == DEFAULT_DRIVER_NAME
+    assert env["CSI_PMEM_KUBELET_DIR"] == "/var/lib/kubelet"
+    assert env["CSI_PMEM_STATE_DIR"] == "/var/lib/csi-pmem"
+    assert env["CSI_PMEM_BACKEND"] == "ndctl"
+    assert env["CSI_PMEM_LOG_FORMAT"] == "json"
+    assert env["CSI_PMEM_METRICS_ADDRESS"] == ":9670"
+    assert "CSI_PMEM_EMULATED_REGIONS" not in env
+
+
+@pytest.mark.parametrize("which", ["default", "emulated"])
+def test_driver_env_names_are_real_flags(which: str, request: pytest.FixtureRequest) -> None:
+    """Every CSI_PMEM_* variable the chart sets is one `csi-pmem serve` reads."""
+    m: Manifests = request.getfixturevalue(which)
+    known = {env_name(k) for k in DEFAULTS}
+    names = {n for n in m.env("driver") if n.startswith("CSI_PMEM_")}
+    assert names <= known, f"unknown driver variables: {sorted(names - known)}"
+
+
+def test_driver_mounts(default: Manifests) -> None:
+    mounts = default.mounts("driver")
+    kubelet = mounts["kubelet-dir"]
+    assert kubelet["mountPath"] == "/var/lib/kubelet"
+    assert kubelet["mountPropagation"] == "Bidirectional"
+    assert default.host_path("kubelet-dir") == "/var/lib/kubelet"
+    assert mounts["plugin-dir"]["mountPath"] == "/csi"
+    assert default.host_path("plugin-dir") == f"/var/lib/kubelet/plugins/{DEFAULT_DRIVER_NAME}"
+    assert mounts["dev"]["mountPath"] == "/dev" and default.host_path("dev") == "/dev"
+    assert mounts["sys"]["mountPath"] == "/sys" and default.host_path("sys") == "/sys"
+    assert mounts["state-dir"]["mountPath"] == "/var/lib/csi-pmem"
+    assert default.host_path("state-dir") == "/var/lib/csi-pmem"
+    # Only the privileged driver may propagate mounts to the host.
+    for c in default.pod["containers"]:
+        if c["name"] != "driver":
+            assert all("mountPropagation" not in m for m in c.get("volumeMounts", [])), c["name"]
+            assert c["securityContext"].get("privileged") is not True, c["name"]
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, c["name"]
+
+
+def test_liveness_goes_through_the_livenessprobe_sidecar(default: Manifests) -> None:
+    driver = default.container("driver")
+    probe = driver["livenessProbe"]["httpGet"]
+    assert probe["path"] == "/healthz"
+    ports = {p["name"]: p["containerPort"] for p in driver["ports"]}
+    port = ports[probe["port"]]  # a named port resolves in the probed container
+    args = default.container("liveness-probe")["args"]
+    assert f"--http-endpoint=:{port}" in args
+    assert "--csi-address=/csi/csi.sock" in args
+
+
+def test_registrar(default: Manifests) -> None:
+    args = default.container("node-driver-registrar")["args"]
+    assert "--csi-address=/csi/csi.sock" in args
+    assert (f"--kubelet-registration-path=/var/lib/kubelet/plugins/{DEFAULT_DRIVER_NAME}"
+            "/csi.sock") in args
+    assert default.mounts("node-driver-registrar")["registration-dir"]["mountPath"] == \
+        "/registration"
+    assert default.host_path("registration-dir") == "/var/lib/kubelet/plugins_registry"
+
+
+def test_provisioner_node_deployment_with_capacity(default: Manifests) -> None:
+    prov = default.container("csi-provisioner")
+    assert re.search(r"/csi-provisioner:v6\.\d+\.\d+$", prov["image"]), prov["image"]
+    args = prov["args"]
+    for flag in ("--csi-address=/csi/csi.sock", "--node-deployment=true", "--strict-topology",
+                 "--enable-capacity", "--capacity-ownerref-level=0",
+                 "--feature-gates=Topology=true", "--extra-create-metadata"):
+        assert flag in args, flag
+    assert not any(a.startswith("--leader-election") for a in args)
+    env = default.env("csi-provisioner")
+    assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+
+def test_kubelet_dir_is_one_value(helm: str) -> None:
+    """k0s: every path below the kubelet directory follows the value, none is left over."""
+    k0s = "/var/lib/k0s/kubelet"
+    m = Manifests(render(helm, "--set", f"kubeletDir={k0s}/"))
+    assert m.mounts("driver")["kubelet-dir"]["mountPath"] == k0s
+    assert m.host_path("kubelet-dir") == k0s
+    assert m.host_path("plugin-dir") == f"{k0s}/plugins/{DEFAULT_DRIVER_NAME}"
+    assert m.host_path("registration-dir") == f"{k0s}/plugins_registry"
+    assert m.env("driver")["CSI_PMEM_KUBELET_DIR"] == k0s
+    assert "/var/lib/kubelet" not in yaml.safe_dump(m.one("DaemonSet"))
+
+
+# --------------------------------------------------------------------------- back ends
+
+
+def test_emulated_backend(emulated: Manifests) -> None:
+    env = emulated.env("driver")
+    assert env["CSI_PMEM_BACKEND"] == "emulated"
+    assert env["CSI_PMEM_EMULATED_REGIONS"] == "0=2Gi,1=2Gi"
+    assert env["CSI_PMEM_EMULATED_ROOT"] == "/var/lib/csi-pmem/emulated"  # on state-dir
+    assert "CSI_PMEM_NDCTL" not in env
+
+
+def test_emulated_root_elsewhere_is_mounted(helm: str) -> None:
+    m = Manifests(render(helm, "-f", str(EMULATED_VALUES),
+                         "--set", "backend.emulated.root=/dev/hugepages/csi-pmem"))
+    assert m.env("driver")["CSI_PMEM_EMULATED_ROOT"] == "/dev/hugepages/csi-pmem"
+    assert m.mounts("driver")["emulated-root"]["mountPath"] == "/dev/hugepages/csi-pmem"
+    assert m.host_path("emulated-root") == "/dev/hugepages/csi-pmem"
+
+
+# --------------------------------------------------------------------------- classes
+
+
+def check_class(sc: dict[str, Any], driver_name: str, numa: str) -> None:
+    assert sc["provisioner"] == driver_name
+    assert sc["volumeBindingMode"] == "WaitForFirstConsumer"
+    assert sc["allowVolumeExpansion"] is False
+    assert sc["parameters"]["numaNode"] == numa
+    assert sc["parameters"]["deviceMode"] == "devdax"
+    assert all(isinstance(v, str) for v in sc["parameters"].values()), sc["parameters"]
+
+
+def test_default_storage_class(default: Manifests) -> None:
+    driver_name = default.one("CSIDriver")["metadata"]["name"]
+    classes = default.all("StorageClass")
+    assert [c["metadata"]["name"] for c in classes] == ["csi-pmem"]
+    check_class(classes[0], driver_name, "auto")
+    assert "annotations" not in classes[0]["metadata"]  # not the cluster default unasked
+
+
+def test_per_numa_storage_classes(emulated: Manifests) -> None:
+    driver_name = emulated.one("CSIDriver")["metadata"]["name"]
+    classes = {c["metadata"]["name"]: c for c in emulated.all("StorageClass")}
+    assert set(classes) == {"csi-pmem", "csi-pmem-numa0", "csi-pmem-numa1"}
+    check_class(classes["csi-pmem"], driver_name, "auto")
+    check_class(classes["csi-pmem-numa0"], driver_name, "0")
+    check_class(classes["csi-pmem-numa1"], driver_name, "1")
+
+
+def test_class_parameters_are_ones_the_driver_accepts(helm: str) -> None:
+    from csi_pmem.params import parse
+
+    m = Manifests(render(helm, "--set", "storageClasses.perNuma={3}", "--set",
+                         "storageClasses.align=1Gi", "--set", "storageClasses.eraseOnDelete=false"))
+    for sc in m.all("StorageClass"):
+        parse(sc["parameters"])  # raises InvalidArgument on an unknown key/value
+    numa3 = m.one("StorageClass", "csi-pmem-numa3")["parameters"]
+    assert numa3 == {"deviceMode": "devdax", "numaNode": "3", "align": "1Gi",
+                     "eraseOnDelete": "false"}
+
+
+def test_driver_name_flows_everywhere(helm: str) -> None:
+    m = Manifests(render(helm, "--set", "driverName=pmem.example.com",
+                         "--set", "storageClasses.perNuma={0}"))
+    assert m.one("CSIDriver")["metadata"]["name"] == "pmem.example.com"
+    assert {sc["provisioner"] for sc in m.all("StorageClass")} == {"pmem.example.com"}
+    assert m.env("driver")["CSI_PMEM_DRIVER_NAME"] == "pmem.example.com"
+    assert m.host_path("plugin-dir") == "/var/lib/kubelet/plugins/pmem.example.com"
+
+
+# --------------------------------------------------------------------------- RBAC
+
+
+def rules_of(m: Manifests, kind: str) -> list[dict[str, Any]]:
+    return [r for obj in m.all(kind) for r in obj["rules"]]
+
+
+def granted(rules: list[dict[str, Any]], group: str, resource: str) -> set[str]:
+    verbs: set[str] = set()
+    for r in rules:
+        if group in r["apiGroups"] and resource in r["resources"]:
+            verbs |= set(r["verbs"])
+    return verbs
+
+
+def test_rbac_covers_node_deployment_and_capacity(default: Manifests) -> None:
+    cluster = rules_of(default, "ClusterRole")
+    ns = rules_of(default, "Role")
+    assert {"create", "delete", "get", "list", "watch", "patch"} <= granted(
+        cluster, "", "persistentvolumes")
+    assert {"get", "list", "watch", "update"} <= granted(cluster, "", "persistentvolumeclaims")
+    assert {"get", "list", "watch"} <= granted(cluster, "storage.k8s.io", "storageclasses")
+    assert {"create", "patch"} <= granted(cluster, "", "events")
+    # Capacity objects are namespaced: the Role grants them, in the release namespace.
+    assert {"get", "list", "watch", "create", "update", "patch", "delete"} <= granted(
+        ns, "storage.k8s.io", "csistoragecapacities")
+    assert granted(ns, "", "pods") == {"get"}  # owner lookup, level 0: the pod itself
+    role = default.one("Role")
+    assert role["metadata"]["namespace"] == NAMESPACE
+
+
+def test_rbac_is_least_privilege(default: Manifests) -> None:
+    rules = rules_of(default, "ClusterRole") + rules_of(default, "Role")
+    for r in rules:
+        assert "*" not in r["verbs"] and "*" not in r["resources"], r
+    resources = {res for r in rules for res in r["resources"]}
+    # No leader election (node deployment), no secrets, no attachments (attachRequired
+    # false), no Node/CSINode watch (node deployment builds them from NodeGetInfo).
+    assert not resources & {"leases", "secrets", "volumeattachments", "nodes", "csinodes"}
+    assert granted(rules, "", "pods") == {"get"}
+
+
+def test_bindings_name_the_pods_service_account(default: Manifests) -> None:
+    sa = default.one("ServiceAccount")["metadata"]
+    assert sa["namespace"] == NAMESPACE
+    for kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
+        b = default.one(kind)
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"],
+                                  "namespace": NAMESPACE}]
+        assert b["roleRef"]["kind"] == role_kind
+        assert b["roleRef"]["name"] == default.one(role_kind)["metadata"]["name"]
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_metrics_service_and_optional_servicemonitor(helm: str, default: Manifests) -> None:
+    svc = default.one("Service")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} == {"metrics", "prov-metrics"}
+    pod_ports = {p["name"] for c in default.pod["containers"] for p in c.get("ports", [])}
+    assert {"metrics", "prov-metrics"} <= pod_ports
+    assert svc["spec"]["selector"].items() <= \
+        default.one("DaemonSet")["spec"]["template"]["metadata"]["labels"].items()
+    assert default.all("ServiceMonitor") == []
+
+    on = Manifests(render(helm, "--set", "metrics.serviceMonitor.enabled=true",
+                          "--set", "metrics.serviceMonitor.labels.release=prometheus"))
+    sm = on.one("ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= \
+        on.one("Service")["metadata"]["labels"].items()
+    assert {e["port"] for e in sm["spec"]["endpoints"]} == {"metrics", "prov-metrics"}
+
+    off = Manifests(render(helm, "--set", "metrics.enabled=false",
+                           "--set", "metrics.serviceMonitor.enabled=true"))
+    assert off.all("Service") == [] and off.all("ServiceMonitor") == []
+    assert off.env("driver")["CSI_PMEM_METRICS_ADDRESS"] == ""
+    assert not any(a.startswith("--http-endpoint")
+                   for a in off.container("csi-provisioner")["args"])
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@pytest.mark.parametrize("setting, path", [
+    ("backend.type=foo", "/backend/type"),
+    ("kubeletDir=var/lib/kubelet", "/kubeletDir"),
+    ("storageClasses.align=4Ki", "/storageClasses/align"),
+    ("storageClasses.perNuma={zero}", "/storageClasses/perNuma/0"),
+    ("driver.logFormat=xml", "/driver/logFormat"),
+    ("provisioner.timeout=2 minutes", "/provisioner/timeout"),
+    ("metrics.port=70000", "/metrics/port"),
+    ("drivr.logLevel=debug", "drivr"),  # a typo is an error, not a silent no-op
+])
+def test_schema_rejects_bad_values(helm: str, setting: str, path: str) -> None:
+    proc = run_helm(helm, "template", "--set", setting)
+    assert proc.returncode != 0, f"{setting} was accepted"
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert path in proc.stderr, proc.stderr
+
+
+def test_schema_rejects_bad_emulated_region(helm: str) -> None:
+    proc = run_helm(helm, "template", "--set-json",
+                    'backend.emulated.regions=[{"numaNode": 0, "size": "2GB"}]')
+    assert proc.returncode != 0
+    assert "/backend/emulated/regions/0/size" in proc.stderr, proc.stderr
+
+
+def walk_values(values: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Keys of values.yaml that the schema does not describe."""
+    missing = []
+    if isinstance(values, dict) and schema.get("type") == "object" and "properties" in schema:
+        for key, val in values.items():
+            sub = schema["properties"].get(key)
+            if sub is None:
+                missing.append(f"{path}.{key}")
+            else:
+                missing += walk_values(val, sub, f"{path}.{key}")
+    return missing
+
+
+def test_schema_describes_every_value() -> None:
+    import json
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert walk_values(values, schema) == []
+
+
+def test_notes_render_with_next_steps(helm: str, tmp_path: Path) -> None:
+    """NOTES.txt renders only on install; render it through a copy of the chart."""
+    chart = tmp_path / "csi-pmem"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "NOTES.txt").rename(chart / "notes.tpl")
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata:\n  notes: |\n"
+        '{{ tpl (.Files.Get "notes.tpl") . | indent 4 }}\n')
+    docs = render(helm, "-f", str(EMULATED_VALUES), "--show-only", "templates/zz-notes.yaml",
+                  chart=chart)
+    notes = docs[0]["data"]["notes"]
+    for text in ("csistoragecapacities", "storageClassName: csi-pmem",
+                 "csi-pmem-numa0", "csi-pmem-numa1", "PersistentVolumeClaim",
+                 "map_volume", "pod-security.kubernetes.io/enforce=privileged",
+                 "rollout status daemonset/csi-pmem-node"):
+        assert text in notes, text
+
+
+# --------------------------------------------------------------------------- deploy/
+
+
+def test_deploy_manifests_are_in_sync(helm: str) -> None:
+    proc = subprocess.run(["bash", str(RENDER_DEPLOY), "--check"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HELM": helm})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_deploy_manifests_create_their_namespace() -> None:
+    for path in sorted((REPO / "deploy").glob("*.yaml")):
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        ns = [d for d in docs if d["kind"] == "Namespace"]
+        assert [n["metadata"]["name"] for n in ns] == [NAMESPACE], path.name
+        assert ns[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+        assert docs[0]["kind"] == "Namespace", f"{path.name}: the namespace must come first"
+        namespaced = [d for d in docs if "namespace" in d["metadata"]]
+        assert {d["metadata"]["namespace"] for d in namespaced} == {NAMESPACE}, path.name
+
+
+# --------------------------------------------------------------------------- image
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(
+        line for line in DOCKERFILE.read_text().splitlines()
+        if not line.lstrip().startswith("#")))
+    out = []
+    for line in text.splitlines():
+        if line.strip():
+            instr, _, rest = line.strip().partition(" ")
+            out.append((instr.upper(), rest.strip()))
+    return out
+
+
+def runtime_packages() -> list[str]:
+    args = [rest for instr, rest in dockerfile_instructions()
+            if instr == "ARG" and rest.startswith("RUNTIME_PACKAGES=")]
+    assert len(args) == 1, "the runtime apt packages are listed in one ARG RUNTIME_PACKAGES"
+    return shlex.split(args[0].partition("=")[2])[0].split()
+
+
+def test_dockerfile_structure() -> None:
+    ins = dockerfile_instructions()
+    froms = [rest for instr, rest in ins if instr == "FROM"]
+    assert len(froms) == 2 and froms[0].endswith(" AS builder"), froms
+    base = dict(shlex.split(rest)[0].split("=", 1) for instr, rest in ins
+                if instr == "ARG" and rest.startswith("DEBIAN_IMAGE="))["DEBIAN_IMAGE"]
+    assert re.fullmatch(r"(debian:12-slim|debian:bookworm-slim|python:3\.11-slim-bookworm)",
+                        base), base
+    # The builder makes the wheel with pip wheel; the runtime stage has no compiler.
+    runs = [rest for instr, rest in ins if instr == "RUN"]
+    assert any("pip wheel" in r for r in runs), runs
+    pkgs = runtime_packages()
+    for needed in ("ndctl", "daxctl", "util-linux", "mount", "python3"):
+        assert needed in pkgs, needed
+    installs = [r for r in runs if "apt-get install" in r and "${RUNTIME_PACKAGES}" in r]
+    assert len(installs) == 1, "the runtime stage installs exactly RUNTIME_PACKAGES"
+    entry = [rest for instr, rest in ins if instr == "ENTRYPOINT"]
+    assert entry == ['["csi-pmem", "serve"]'], entry
+    labels = " ".join(rest for instr, rest in ins if instr == "LABEL")
+    assert "org.opencontainers.image.title" in labels
+
+
+def cluster_image_scripts() -> list[Path]:
+    if not CLUSTER_DIR.is_dir():
+        return []
+    return sorted(p for p in CLUSTER_DIR.rglob("*") if p.is_file()
+                  and p.suffix in ("", ".sh", ".py") and "debootstrap" in p.read_text(
+                      errors="replace"))
+
+
+# What both images do after the packages: a venv at /opt/csi-pmem installed from wheels
+# only, and the entry points on the default PATH.
+INSTALL_STEPS = ("python3 -m venv /opt/csi-pmem", "--no-index --find-links",
+                 "/opt/csi-pmem/bin/csi-pmem /usr/local/bin/csi-pmem")
+
+
+def test_dockerfile_matches_cluster_image() -> None:
+    """The test bed builds the driver image without Docker (debootstrap + the same steps):
+    the same Debian packages (e2e/cluster/image-packages.txt) and the same install steps.
+    """
+    scripts = cluster_image_scripts()
+    pkgfile = CLUSTER_DIR / "image-packages.txt"
+    if not scripts and not pkgfile.is_file():
+        pytest.skip("e2e/cluster has no debootstrap image yet: the Dockerfile's structure "
+                    "is checked by test_dockerfile_structure")
+    ours = runtime_packages()
+    if pkgfile.is_file():
+        theirs = [w for line in pkgfile.read_text().splitlines()
+                  for w in line.split("#")[0].split()]
+        assert sorted(ours) == sorted(theirs), (
+            f"Dockerfile RUNTIME_PACKAGES {sorted(ours)} != e2e/cluster/image-packages.txt "
+            f"{sorted(theirs)}: change both")
+    else:
+        text = "\n".join(p.read_text() for p in scripts)
+        words = set(re.findall(r"[A-Za-z0-9][A-Za-z0-9.+-]*", text.replace(",", " ")))
+        missing = [p for p in ours if p not in words]
+        assert not missing, f"the cluster image lacks Dockerfile packages {missing}"
+    dockerfile = " ".join(DOCKERFILE.read_text().split())
+    bed = " ".join(" ".join(p.read_text() for p in scripts).split())
+    for step in INSTALL_STEPS:
+        assert step in dockerfile, f"Dockerfile: {step!r}"
+        if scripts:
+            assert step in bed, f"e2e/cluster image scripts: {step!r}"
+
+
+def shell_vars(path: Path) -> dict[str, str]:
+    found = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"^([A-Z_][A-Z0-9_]*)=([^\s#]*)", line)
+        if m:
+            found[m.group(1)] = m.group(2).strip("\"'")
+    return found
+
+
+def test_versions_match_cluster_testbed() -> None:
+    """Chart image tags and the helm pin equal the test bed's pins, when it has them.
+
+    The test bed builds external-provisioner at its pin (and stand-ins for the registrar
+    and livenessprobe, with the same flags) and installs the chart with them: the
+    versions the chart ships by default are then the ones the cluster tier ran.
+    """
+    versions = CLUSTER_DIR / "versions.sh"
+    if not versions.is_file():
+        pytest.skip("e2e/cluster/versions.sh does not exist yet")
+    pins = shell_vars(versions)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    pairs = {"PROVISIONER_VERSION": values["provisioner"]["image"]["tag"],
+             "REGISTRAR_TAG": values["registrar"]["image"]["tag"],
+             "LIVENESSPROBE_TAG": values["livenessProbe"]["image"]["tag"],
+             "HELM_VERSION": shell_vars(INSTALL_HELM)["HELM_PINNED"]}
+    compared = {k: (pins[k], ours) for k, ours in pairs.items() if pins.get(k)}
+    assert compared, "versions.sh pins none of the sidecars"
+    assert all(a == b for a, b in compared.values()), compared
