@@ -5,7 +5,7 @@ RUN_DIR ?= /tmp/csi-pmem
 export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
 
 .PHONY: setup tools run test check unit lint proto proto-check sanity bench clean e2e-vm \
-	helm-lint deploy deploy-check
+	helm-lint deploy deploy-check e2e-cluster
 
 setup:
 	@bash scripts/setup.sh
@@ -68,6 +68,15 @@ bench: setup
 # E2E_VM_ARGS="--config main -- -k erase" (see e2e/vm/run.sh --help).
 e2e-vm: setup tools
 	CSI_SANITY_REQUIRED=1 bash e2e/vm/run.sh $(E2E_VM_ARGS)
+
+# The cluster tier: a real single-node Kubernetes 1.36 (etcd, apiserver, controller-manager,
+# scheduler, kubelet, containerd + runc, a CNI bridge) under /tmp/csi-pmem-e2e, the chart
+# installed with helm, e2e/cluster/test_cluster.py against it; torn down on every exit.
+# Needs root. Binaries and images are cached in $(CSI_PMEM_CACHE)/cluster (cold: ~30 min
+# of Go builds on 2 cores). E2E_CLUSTER_ARGS passes options, e.g. "--keep -- -k numa"
+# (e2e/cluster/README.md).
+e2e-cluster: setup
+	bash e2e/cluster/run.sh $(E2E_CLUSTER_ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis build *.egg-info

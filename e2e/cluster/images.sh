@@ -115,6 +115,8 @@ env_file="${idir}/images-$(printf '%s\n' "${app_key}" "$(sha256sum "${bindir}"/*
 : > "${env_file}.tmp"
 image() {  # image VAR NAME TAG ARCHIVE_ARGS...
   local var=$1 name=$2 tag=$3; shift 3
+  # The tag covers the image config too: changing an entry point makes a new image.
+  tag="${tag}-$(printf '%s\n' "$@" | h | cut -c1-6)"
   local ref="localhost/csi-pmem-e2e/${name}:${tag}"
   local out="${idir}/${name}-${tag}.tar"
   [[ -f "${out}" ]] || "${PY}" "${here}/mkimage.py" -o "${out}" --tag "${ref}" "$@" >/dev/null
@@ -126,10 +128,12 @@ pause_layer=$(bin_layer catatonit /usr/bin/catatonit)
 image PAUSE_IMAGE pause "$(sha256sum "${pause_layer}" | h)" --layer "${pause_layer}" \
   --entrypoint '["/catatonit", "-P"]'
 venv_path="PATH=/opt/csi-pmem/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Same entry point and environment as the Dockerfile's final stage.
+py_env=(--env "${venv_path}" --env PYTHONUNBUFFERED=1 --env PYTHONDONTWRITEBYTECODE=1)
 image DRIVER_IMAGE driver "${app_key}" --layer "${base_tar}" --layer "${app_tar}" \
-  --env "${venv_path}" --entrypoint '["csi-pmem"]' --cmd '["serve"]'
+  "${py_env[@]}" --user 0:0 --entrypoint '["csi-pmem", "serve"]'
 image WORKLOAD_IMAGE workload "${app_key}" --layer "${base_tar}" --layer "${app_tar}" \
-  --env "${venv_path}" --user 1000:1000 --workdir /tmp --cmd '["python3"]'
+  "${py_env[@]}" --user 1000:1000 --workdir /tmp --cmd '["python3"]'
 for pair in PROVISIONER_IMAGE:csi-provisioner REGISTRAR_IMAGE:csi-node-driver-registrar \
     LIVENESSPROBE_IMAGE:livenessprobe; do
   var=${pair%%:*}; b=${pair#*:}

@@ -67,9 +67,24 @@ mount -t devtmpfs devtmpfs /newroot/dev
 mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /newroot/dev/shm
+# The checkout may live below one of the directories that get a fresh tmpfs (a CI clone
+# in /tmp): hold it aside and put it back on top, so cmd.sh finds the repository.
+repo=""
+[ -f /out/repo ] && repo=$(cat /out/repo)
+if [ -n "$repo" ]; then
+    mkdir -p /keep-repo
+    mount --bind "/newroot$repo" /keep-repo || die "cannot find the repository $repo"
+fi
 for d in /run /tmp /var/tmp; do
     mount -t tmpfs -o mode=1777 tmpfs "/newroot$d" || die "cannot mount tmpfs on $d"
 done
+if [ -n "$repo" ]; then
+    if [ ! -d "/newroot$repo/e2e" ]; then
+        mkdir -p "/newroot$repo"
+        mount --bind /keep-repo "/newroot$repo" || die "cannot restore $repo"
+    fi
+    umount /keep-repo
+fi
 chmod 0755 /newroot/run
 # cgroup v2 only: tests/cgroups.py denies devices with an eBPF program there, as runc
 # does on v2 hosts. (The host is v1/hybrid: the guest is not.)

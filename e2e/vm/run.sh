@@ -113,6 +113,7 @@ write_cmd() {
         echo 'dmesg >/run/vm-out/dmesg.txt 2>&1'
         echo 'exit $rc'
     } >"$dir/cmd.sh"
+    printf '%s\n' "$repo" >"$dir/repo"  # init.sh keeps it visible under the guest's tmpfs
 }
 
 boot() {

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# make e2e-cluster: build (cached) -> images (cached) -> up -> pytest -> down.
+# down.sh runs on every exit path (success, test failure, Ctrl-C, a failed step).
+#
+# Usage: e2e/cluster/run.sh [--keep] [-- PYTEST_ARGS...]
+#   --keep   leave the cluster running after the tests (down.sh later, by hand)
+# Env: CSI_PMEM_CACHE (binary and image cache), E2E_ROOT (default /tmp/csi-pmem-e2e),
+#      E2E_RESULTS (default build/e2e-cluster): junit.xml, results.json, timings, logs.
+set -euo pipefail
+shopt -s inherit_errexit
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "${here}/../.." && pwd)"
+cd "${repo}"
+keep=0
+pytest_args=()
+while (($#)); do
+  case "$1" in
+    --keep) keep=1 ;;
+    --) shift; pytest_args=("$@"); break ;;
+    -h|--help) sed -n 2,9p "$0"; exit 0 ;;
+    *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+export E2E_ROOT="${E2E_ROOT:-/tmp/csi-pmem-e2e}"
+results="${E2E_RESULTS:-${repo}/build/e2e-cluster}"
+mkdir -p "${results}"
+export E2E_LOG_DIR="${results}/logs"
+timings="${results}/timings.txt"
+: > "${timings}"
+t0=$(date +%s)
+step() { echo "$1 $(( $(date +%s) - $2 ))" >> "${timings}"; }
+
+[[ "$(id -u)" == 0 ]] || { echo "run.sh: run as root" >&2; exit 1; }
+# The Kubernetes client for the tests (the e2e extra).
+.venv/bin/python -c 'import kubernetes' 2>/dev/null \
+  || .venv/bin/python -m pip install -q -e '.[e2e]'
+
+s=$(date +%s); bindir=$(bash "${here}/build.sh" all | tail -1); step build "${s}"
+s=$(date +%s); images_env=$(bash "${here}/images.sh" "${bindir}" | tail -1); step images "${s}"
+
+cleanup() {
+  local rc=$?
+  if ((keep)); then
+    echo "run.sh: cluster left running (--keep): KUBECONFIG=${E2E_ROOT}/admin.kubeconfig;" \
+      "stop it with E2E_ROOT=${E2E_ROOT} ${here}/down.sh" >&2
+  else
+    local s; s=$(date +%s)
+    bash "${here}/down.sh" || rc=1
+    step down "${s}"
+  fi
+  step total "${t0}"
+  echo "run.sh: timings (s):" $(tr '\n' ' ' < "${timings}") >&2
+  exit "${rc}"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+s=$(date +%s); cluster_env=$(bash "${here}/up.sh" "${bindir}" "${images_env}" | tail -1)
+step up "${s}"
+s=$(date +%s)
+E2E_CLUSTER_ENV="${cluster_env}" E2E_RESULTS="${results}" \
+  .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=0 \
+  --junitxml "${results}/junit.xml" "${here}/test_cluster.py" ${pytest_args[@]+"${pytest_args[@]}"} \
+  || rc=$?
+step tests "${s}"
+exit "${rc:-0}"

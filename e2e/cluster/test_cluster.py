@@ -1,0 +1,607 @@
+"""The cluster tier: the chart on a real single-node Kubernetes (e2e/cluster/up.sh).
+
+Why: kubelet, the scheduler, external-provisioner, Pod Security admission and a real
+container runtime decide whether the driver is usable, and none of them runs in the host
+or VM tiers. Every scenario here is what a user does: `helm install`, a
+WaitForFirstConsumer claim, an unprivileged pod that maps the volume through dax.sock.
+
+Run through `make e2e-cluster` (e2e/cluster/run.sh), which sets E2E_CLUSTER_ENV to the
+cluster.env that up.sh wrote; without it the module is skipped. Tests run in file order
+and share one helm release; numbers go to $E2E_RESULTS/results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+kubernetes = pytest.importorskip("kubernetes", reason="pip install -e '.[e2e]'")
+from kubernetes import client, config  # noqa: E402
+from kubernetes.client.rest import ApiException  # noqa: E402
+from kubernetes.utils import parse_quantity  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+ENV_FILE = os.environ.get("E2E_CLUSTER_ENV", "")
+pytestmark = [
+    pytest.mark.skipif(not ENV_FILE, reason="needs a running test bed: make e2e-cluster"),
+    pytest.mark.timeout(600),
+]
+
+RELEASE = "csi-pmem"
+DRIVER_NS = "csi-pmem"
+NS = "csi-pmem-e2e"          # the workloads' namespace: Pod Security "restricted"
+DRIVER = "csi-pmem.io"
+TOPOLOGY_KEY = f"{DRIVER}/node"
+CLASS_AUTO, CLASS_N0, CLASS_N1 = "csi-pmem", "csi-pmem-numa0", "csi-pmem-numa1"
+POOL = 2 * 1024**3           # each emulated pool (charts/csi-pmem/ci/emulated-values.yaml)
+Mi = 1024**2
+RESULTS: dict[str, Any] = {}
+
+
+# ------------------------------------------------------------------ plumbing
+def _env() -> dict[str, str]:
+    out = {}
+    for line in Path(ENV_FILE).read_text().splitlines():
+        if "=" in line:
+            k, v = line.split("=", 1)
+            out[k] = v
+    return out
+
+
+def wait_until(what: str, fn: Callable[[], Any], timeout: float = 120,
+               interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            last = None
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def record(key: str, value: Any) -> None:
+    RESULTS[key] = value
+    out = Path(os.environ.get("E2E_RESULTS", REPO / "build" / "e2e-cluster"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(RESULTS, indent=2, sort_keys=True) + "\n")
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.env = _env()
+        self.kubeconfig = self.env["KUBECONFIG"]
+        self.bin = Path(self.env["BIN_DIR"])
+        self.node = self.env["NODE_NAME"]
+        self.kubelet_dir = self.env["KUBELET_DIR"]
+        config.load_kube_config(config_file=self.kubeconfig)
+        self.core = client.CoreV1Api()
+        self.storage = client.StorageV1Api()
+        self.apps = client.AppsV1Api()
+
+    def run(self, tool: str, *args: str, check: bool = True, timeout: float = 300,
+            stdin: str | None = None) -> subprocess.CompletedProcess:
+        cmd = [str(self.bin / tool), *args]
+        env = dict(os.environ, KUBECONFIG=self.kubeconfig)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
+                           input=stdin)
+        if check and p.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n"
+                                 f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        return p
+
+    # -- driver
+    def driver_pod(self) -> client.V1Pod:
+        pods = self.core.list_namespaced_pod(
+            DRIVER_NS, label_selector="app.kubernetes.io/component=node").items
+        pods = [p for p in pods if p.metadata.deletion_timestamp is None]
+        assert len(pods) == 1, [p.metadata.name for p in pods]
+        return pods[0]
+
+    def driver_ready(self) -> client.V1Pod | None:
+        try:
+            pod = self.driver_pod()
+        except AssertionError:
+            return None
+        st = pod.status.container_statuses or []
+        return pod if st and all(c.ready for c in st) else None
+
+    def driver_exec(self, *args: str, check: bool = True) -> str:
+        pod = self.driver_pod().metadata.name
+        return self.run("kubectl", "-n", DRIVER_NS, "exec", pod, "-c", "driver", "--",
+                        *args, check=check).stdout
+
+    def driver_json(self, *args: str) -> Any:
+        return json.loads(self.driver_exec("csi-pmem", "volume", *args))
+
+    def driver_metrics(self) -> dict[str, float]:
+        text = self.driver_exec("python3", "-c", "import urllib.request; print(urllib.request."
+                                "urlopen('http://127.0.0.1:9670/metrics').read().decode())")
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def driver_restarts(self) -> int:
+        return sum(c.restart_count for c in self.driver_pod().status.container_statuses)
+
+    # -- capacity
+    def capacities(self) -> dict[str, tuple[int, int | None]]:
+        """{storage class: (capacity, maximumVolumeSize)} of this node's objects."""
+        out = {}
+        for c in self.storage.list_namespaced_csi_storage_capacity(DRIVER_NS).items:
+            labels = (c.node_topology.match_labels or {}) if c.node_topology else {}
+            if labels.get(TOPOLOGY_KEY) != self.node:
+                continue
+            assert c.storage_class_name not in out, f"two objects for {c.storage_class_name}"
+            out[c.storage_class_name] = (
+                int(parse_quantity(c.capacity)) if c.capacity is not None else -1,
+                int(parse_quantity(c.maximum_volume_size))
+                if c.maximum_volume_size is not None else None)
+        return out
+
+    # -- workloads
+    def pvc(self, name: str, cls: str, size: str, mode: str = "Filesystem") -> None:
+        self.core.create_namespaced_persistent_volume_claim(NS, {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name},
+            "spec": {"storageClassName": cls, "accessModes": ["ReadWriteOnce"],
+                     "volumeMode": mode, "resources": {"requests": {"storage": size}}}})
+
+    def pod(self, name: str, claim: str, *args: str, readonly: bool = False,
+            block: bool = False) -> None:
+        container: dict[str, Any] = {
+            "name": "w", "image": self.env["WORKLOAD_IMAGE"], "imagePullPolicy": "Never",
+            "command": ["python3", "/e2e/workload.py", *args],
+            "securityContext": {"allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"]},
+                                "readOnlyRootFilesystem": True},
+            "volumeMounts": [{"name": "script", "mountPath": "/e2e", "readOnly": True}],
+        }
+        if block:
+            container["volumeDevices"] = [{"name": "data", "devicePath": "/dev/pmem-e2e"}]
+        else:
+            container["volumeMounts"].append(
+                {"name": "data", "mountPath": "/data", "readOnly": readonly})
+        self.core.create_namespaced_pod(NS, {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {"app": "csi-pmem-e2e"}},
+            "spec": {
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 2,
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                                    "runAsGroup": 1000,
+                                    "seccompProfile": {"type": "RuntimeDefault"}},
+                "containers": [container],
+                "volumes": [
+                    {"name": "data", "persistentVolumeClaim": {"claimName": claim,
+                                                               "readOnly": readonly}},
+                    {"name": "script", "configMap": {"name": "e2e-workload"}},
+                ],
+            }})
+
+    def phase(self, name: str) -> str:
+        return self.core.read_namespaced_pod(name, NS).status.phase
+
+    def wait_pod_done(self, name: str, timeout: float = 180) -> dict[str, Any]:
+        """Wait for Succeeded/Failed; the RESULT line of its log, with the phase."""
+        phase = wait_until(f"pod {name} to finish",
+                           lambda: self.phase(name) in ("Succeeded", "Failed")
+                           and self.phase(name), timeout)
+        logs = self.core.read_namespaced_pod_log(name, NS)
+        lines = [ln for ln in logs.splitlines() if ln.startswith("RESULT ")]
+        assert lines, f"pod {name} ({phase}) printed no RESULT:\n{logs}\n{self.describe(name)}"
+        res = json.loads(lines[-1][len("RESULT "):])
+        res["phase"] = phase
+        return res
+
+    def wait_running(self, name: str, timeout: float = 180) -> None:
+        wait_until(f"pod {name} Running",
+                   lambda: self.phase(name) in ("Running", "Succeeded"), timeout)
+
+    def events(self, namespace: str, name: str) -> list[client.CoreV1Event]:
+        return self.core.list_namespaced_event(
+            namespace, field_selector=f"involvedObject.name={name}").items
+
+    def describe(self, name: str) -> str:
+        return "\n".join(f"  {e.type} {e.reason}: {e.message}" for e in self.events(NS, name))
+
+    def delete_pod(self, name: str, wait: bool = True) -> None:
+        try:
+            self.core.delete_namespaced_pod(name, NS, grace_period_seconds=2)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        if wait:
+            wait_until(f"pod {name} gone", lambda: not self._exists(
+                self.core.read_namespaced_pod, name), 120)
+
+    def delete_pvc(self, name: str, wait: bool = True) -> str | None:
+        """Delete a claim; wait for its PV (and so the volume) to be gone too."""
+        pv = None
+        try:
+            pv = self.core.read_namespaced_persistent_volume_claim(name, NS).spec.volume_name
+            self.core.delete_namespaced_persistent_volume_claim(name, NS)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        if wait:
+            wait_until(f"claim {name} gone", lambda: not self._exists(
+                self.core.read_namespaced_persistent_volume_claim, name), 120)
+            if pv:
+                wait_until(f"PV {pv} gone", lambda: not self._exists(
+                    self.core.read_persistent_volume, pv), 180)
+        return pv
+
+    def _exists(self, read: Callable[..., Any], name: str) -> bool:
+        try:
+            if read is self.core.read_persistent_volume:
+                read(name)
+            else:
+                read(name, NS)
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    def mounts_below(self, path: str) -> list[str]:
+        out = []
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                mp = line.split()[4]
+                if mp.startswith(path.rstrip("/") + "/"):
+                    out.append(mp)
+        return out
+
+
+@pytest.fixture(scope="module")
+def k() -> Cluster:
+    return Cluster()
+
+
+@pytest.fixture(scope="module")
+def release(k: Cluster):
+    """helm install the chart: emulated back end, two NUMA pools, our kubelet dir and
+    images; the workloads' namespace with Pod Security "restricted"."""
+    env = k.env
+
+    def image(prefix: str, ref: str) -> list[str]:
+        repo, tag = ref.rsplit(":", 1)
+        return ["--set", f"{prefix}.image.repository={repo}", "--set",
+                f"{prefix}.image.tag={tag}", "--set", f"{prefix}.image.pullPolicy=Never"]
+
+    t0 = time.monotonic()
+    k.run("helm", "install", RELEASE, str(REPO / "charts" / "csi-pmem"),
+          "--namespace", DRIVER_NS, "--create-namespace",
+          "-f", str(REPO / "charts" / "csi-pmem" / "ci" / "emulated-values.yaml"),
+          "--set", f"kubeletDir={k.kubelet_dir}",
+          "--set", f"stateDir={env['STATE_DIR']}",
+          # Capacity objects refresh after each provisioning and deletion; the periodic
+          # refresh is slowed so the full-pool scenario sees the stale object a
+          # scheduler can see in real life (and gets RESOURCE_EXHAUSTED, not a filter).
+          "--set", "provisioner.capacityPollInterval=10m",
+          "--set", "driver.logFormat=text",
+          *image("driver", env["DRIVER_IMAGE"]),
+          *image("provisioner", env["PROVISIONER_IMAGE"]),
+          *image("registrar", env["REGISTRAR_IMAGE"]),
+          *image("livenessProbe", env["LIVENESSPROBE_IMAGE"]),
+          "--wait", "--timeout", "5m")
+    record("helm_install_seconds", round(time.monotonic() - t0, 1))
+    k.core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": NS, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
+                               "pod-security.kubernetes.io/enforce-version": "latest",
+                               "pod-security.kubernetes.io/warn": "restricted"}}})
+    k.core.create_namespaced_config_map(NS, {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "e2e-workload"},
+        "data": {"workload.py": (HERE / "workload.py").read_text()}})
+    wait_until("service account default in the test namespace",
+               lambda: k.core.read_namespaced_service_account("default", NS), 60)
+    yield k
+    # Workloads first (their volumes must be unpublished by a live driver), then the chart.
+    k.core.delete_collection_namespaced_pod(NS, grace_period_seconds=1)
+    wait_until("test pods gone", lambda: not k.core.list_namespaced_pod(NS).items, 120)
+    k.core.delete_collection_namespaced_persistent_volume_claim(NS)
+    wait_until("test PVs gone", lambda: not [
+        pv for pv in k.core.list_persistent_volume().items
+        if pv.spec.csi and pv.spec.csi.driver == DRIVER], 180)
+    k.core.delete_namespace(NS)
+    k.run("helm", "uninstall", RELEASE, "--namespace", DRIVER_NS, "--wait",
+          "--timeout", "2m", check=False)
+
+
+# ------------------------------------------------------------------ scenarios
+def test_driver_running_and_registered(release: Cluster) -> None:
+    k = release
+    pod = wait_until("driver pod ready", k.driver_ready, 180)
+    node = k.storage.read_csi_node(k.node)
+    drivers = {d.name: d for d in node.spec.drivers or []}
+    assert DRIVER in drivers, "kubelet has no CSINode entry for the driver"
+    assert drivers[DRIVER].node_id == k.node
+    assert TOPOLOGY_KEY in (drivers[DRIVER].topology_keys or [])
+    csidriver = k.storage.read_csi_driver(DRIVER)
+    assert csidriver.spec.attach_required is False
+    assert csidriver.spec.pod_info_on_mount is True
+    assert csidriver.spec.storage_capacity is True
+    record("driver_pod", pod.metadata.name)
+    record("images", {key: value for key, value in k.env.items() if key.endswith("_IMAGE")})
+
+
+def test_capacity_objects_per_class(release: Cluster) -> None:
+    k = release
+    classes = {CLASS_AUTO, CLASS_N0, CLASS_N1}
+    caps = wait_until("a CSIStorageCapacity per class",
+                      lambda: (c := k.capacities()) and classes <= set(c) and c, 120)
+    record("capacity_initial", {c: caps[c][0] for c in classes})
+    # What the driver itself reports through GetCapacity with each class's parameters.
+    want = {CLASS_AUTO: k.driver_json("capacity"),
+            CLASS_N0: k.driver_json("capacity", "-p", "numaNode=0"),
+            CLASS_N1: k.driver_json("capacity", "-p", "numaNode=1")}
+    for cls, reply in want.items():
+        assert caps[cls][0] == int(reply.get("available_capacity", 0)), (cls, caps, reply)
+        if reply.get("maximum_volume_size"):
+            assert caps[cls][1] == int(reply["maximum_volume_size"]), (cls, caps, reply)
+    # Empty pools of 2 GiB each; the class without numaNode sees both.
+    assert caps[CLASS_N0][0] == POOL and caps[CLASS_N1][0] == POOL, caps
+    assert caps[CLASS_AUTO][0] == 2 * POOL, caps
+    assert caps[CLASS_AUTO][1] == POOL, "a volume never spans pools"
+
+
+def test_wait_for_first_consumer_then_bind_on_node(release: Cluster) -> None:
+    k = release
+    before = k.capacities()
+    k.pvc("wffc", CLASS_N0, "256Mi")
+    time.sleep(8)
+    pvc = k.core.read_namespaced_persistent_volume_claim("wffc", NS)
+    assert pvc.status.phase == "Pending"
+    assert not (pvc.metadata.annotations or {}).get("volume.kubernetes.io/selected-node")
+    reasons = {e.reason for e in k.events(NS, "wffc")}
+    assert "WaitForFirstConsumer" in reasons, reasons
+
+    t0 = time.monotonic()
+    k.pod("wffc-writer", "wffc", "write", "seed-A")
+    res = k.wait_pod_done("wffc-writer")
+    assert res["ok"] and res["phase"] == "Succeeded", res
+    pvc = k.core.read_namespaced_persistent_volume_claim("wffc", NS)
+    assert pvc.status.phase == "Bound"
+    assert pvc.metadata.annotations["volume.kubernetes.io/selected-node"] == k.node
+    pv = k.core.read_persistent_volume(pvc.spec.volume_name)
+    terms = pv.spec.node_affinity.required.node_selector_terms
+    assert any(e.key == TOPOLOGY_KEY and e.values == [k.node]
+               for t in terms for e in t.match_expressions), terms
+    assert int(parse_quantity(pv.spec.capacity["storage"])) >= 256 * Mi
+    assert res["meta"]["usable_size"] >= 256 * Mi and res["uid"] == 1000
+    assert res["meta"]["numa_node"] == 0
+    record("wffc_pod_seconds", round(time.monotonic() - t0, 1))
+
+    # The capacity objects follow: numa0 and auto shrink by the volume, numa1 does not.
+    used = int(parse_quantity(pv.spec.capacity["storage"]))
+    after = wait_until("capacity objects refreshed after provisioning",
+                       lambda: (c := k.capacities())[CLASS_N0][0] < before[CLASS_N0][0] and c,
+                       90)
+    assert before[CLASS_N0][0] - after[CLASS_N0][0] >= used, (before, after, used)
+    assert after[CLASS_N1][0] == before[CLASS_N1][0]
+    assert after[CLASS_AUTO][0] == after[CLASS_N0][0] + after[CLASS_N1][0]
+    record("capacity_after_256Mi_on_numa0", {c: after[c][0] for c in after})
+
+
+def test_later_pod_reads_pattern_back(release: Cluster) -> None:
+    k = release
+    k.pod("wffc-reader", "wffc", "read", "seed-A")
+    res = k.wait_pod_done("wffc-reader")
+    assert res["ok"] and not res["mismatched_offsets"], res
+    assert res["meta"]["readonly"] is False
+
+
+def test_readonly_mount_cannot_write(release: Cluster) -> None:
+    k = release
+    k.pod("wffc-ro", "wffc", "readonly", "seed-A", readonly=True)
+    res = k.wait_pod_done("wffc-ro")
+    record("readonly_result", {key: res[key] for key in (
+        "fd_flags_rdonly", "mmap_write", "pwrite", "map_volume_writable", "device_in_pod")})
+    assert res["ok"], res
+    assert res["device_in_pod"] is False
+
+
+def test_numa_classes_land_in_their_pools(release: Cluster) -> None:
+    k = release
+    for cls, numa in ((CLASS_N0, 0), (CLASS_N1, 1)):
+        name = f"numa{numa}"
+        k.pvc(name, cls, "64Mi")
+        k.pod(f"{name}-info", name, "info")
+        res = k.wait_pod_done(f"{name}-info")
+        assert res["ok"], res
+        assert res["meta"]["numa_node"] == numa, res
+        pvc = k.core.read_namespaced_persistent_volume_claim(name, NS)
+        attrs = k.core.read_persistent_volume(pvc.spec.volume_name).spec.csi.volume_attributes
+        assert str(numa) in json.dumps(attrs), attrs
+    # And the driver's own per-pool accounting agrees.
+    metrics = k.driver_metrics()
+    vols = {n: v for n, v in metrics.items() if n.startswith("csi_pmem_pool_volumes")}
+    record("pool_volumes_metric", vols)
+    n1 = [v for n, v in vols.items() if 'numa_node="1"' in n]
+    assert n1 and n1[0] >= 1, vols
+    for numa in (0, 1):
+        k.delete_pod(f"numa{numa}-info")
+        k.delete_pvc(f"numa{numa}")
+
+
+def test_block_claim_on_devdax_class_is_refused(release: Cluster) -> None:
+    k = release
+    k.pvc("block", CLASS_AUTO, "64Mi", mode="Block")
+    k.pod("block-user", "block", "info", block=True)
+
+    def refused() -> list[str]:
+        return [e.message for e in k.events(NS, "block")
+                if e.reason == "ProvisioningFailed" and e.message]
+    msgs = wait_until("ProvisioningFailed on the Block claim", refused, 120)
+    record("block_refusal_event", msgs[0])
+    text = msgs[0].lower()
+    assert "block" in text and "devdax" in text, msgs[0]
+    assert k.core.read_namespaced_persistent_volume_claim("block", NS).status.phase == "Pending"
+    assert k.phase("block-user") == "Pending"
+    k.delete_pod("block-user")
+    k.delete_pvc("block")
+
+
+def test_full_pool_gives_resource_exhausted_not_a_crash_loop(release: Cluster) -> None:
+    k = release
+    restarts = k.driver_restarts()
+    stale = k.capacities()[CLASS_N1][0]
+    # Fill numa1 behind the scheduler's back (straight through the CSI socket): its
+    # CSIStorageCapacity still shows the old free space, as it would between two polls.
+    filler = k.driver_json("create", "e2e-filler", "--size", f"{stale - 256 * Mi}",
+                           "-p", "numaNode=1")
+    filler_id = filler["volume"]["volume_id"]
+    try:
+        assert k.capacities()[CLASS_N1][0] == stale, "capacity refreshed too early"
+        k.pvc("full", CLASS_N1, "1Gi")
+        k.pod("full-user", "full", "info")
+
+        def exhausted() -> list[str]:
+            return [e.message for e in k.events(NS, "full")
+                    if e.reason == "ProvisioningFailed" and e.message
+                    and "ResourceExhausted" in e.message]
+        msgs = wait_until("ProvisioningFailed with ResourceExhausted", exhausted, 120)
+        record("full_pool_event", msgs[0])
+        assert "numa" in msgs[0].lower() or "pool" in msgs[0].lower(), msgs[0]
+        time.sleep(10)
+        assert k.phase("full-user") == "Pending"
+        assert k.driver_restarts() == restarts, "the driver restarted"
+        assert k.driver_ready(), "the driver is not ready"
+    finally:
+        k.driver_exec("csi-pmem", "volume", "delete", filler_id)
+    # With the space back, the same claim provisions on a later retry.
+    t0 = time.monotonic()
+    k.wait_running("full-user", 300)
+    record("full_pool_recovery_seconds", round(time.monotonic() - t0, 1))
+    k.delete_pod("full-user")
+    k.delete_pvc("full")
+
+
+def test_delete_erases_and_frees(release: Cluster) -> None:
+    k = release
+    before = k.capacities()
+    erased0 = k.driver_metrics().get("csi_pmem_erase_bytes_total", 0.0)
+    pvc = k.core.read_namespaced_persistent_volume_claim("wffc", NS)
+    pv = k.core.read_persistent_volume(pvc.spec.volume_name)
+    size = int(parse_quantity(pv.spec.capacity["storage"]))
+    vol_id = pv.spec.csi.volume_handle
+    for p in ("wffc-writer", "wffc-reader", "wffc-ro"):
+        k.delete_pod(p)
+    k.delete_pvc("wffc")
+    after = wait_until("capacity back after delete",
+                       lambda: (c := k.capacities())[CLASS_N0][0] >= before[CLASS_N0][0] + size
+                       and c, 90)
+    assert after[CLASS_N0][0] == POOL, after
+    erased = k.driver_metrics().get("csi_pmem_erase_bytes_total", 0.0) - erased0
+    record("erase_bytes_on_delete", erased)
+    assert erased >= size, f"erased {erased} bytes of a {size}-byte volume"
+    listed = k.driver_json("list")
+    assert vol_id not in json.dumps(listed)
+
+
+def test_driver_restart_keeps_workloads(release: Cluster) -> None:
+    k = release
+    k.pvc("hold", CLASS_AUTO, "128Mi")
+    k.pod("hold", "hold", "hold", "seed-H")
+    k.wait_running("hold")
+    wait_until("hold pod mapped its volume",
+               lambda: "hold-start" in k.core.read_namespaced_pod_log("hold", NS), 60)
+    old = k.driver_pod().metadata.name
+    t_restart = time.time()
+    k.core.delete_namespaced_pod(old, DRIVER_NS)
+    wait_until("old driver pod gone", lambda: all(
+        p.metadata.name != old for p in k.core.list_namespaced_pod(DRIVER_NS).items), 120)
+    new = wait_until("new driver pod ready", k.driver_ready, 180)
+    t_ready = time.time()
+    record("driver_restart_seconds", round(t_ready - t_restart, 1))
+    time.sleep(3)
+    ticks = [json.loads(ln) for ln in k.core.read_namespaced_pod_log("hold", NS).splitlines()
+             if ln.startswith("{")]
+    during = [t for t in ticks if t_restart <= t["t"] <= t_ready]
+    after = [t for t in ticks if t["t"] > t_ready]
+    assert k.phase("hold") == "Running"
+    assert k.core.read_namespaced_pod("hold", NS).status.container_statuses[0].restart_count == 0
+    assert all(t["mapping_ok"] for t in ticks), "the mapping changed under the pod"
+    assert during and after, (len(ticks), t_restart, t_ready)
+    assert all(t["reconnect"] == "ok" for t in after), after[-3:]
+    record("hold_ticks_during_restart", {
+        "ticks": len(during), "reconnect_failures_during": sum(
+            t["reconnect"] != "ok" for t in during)})
+    assert new.metadata.name != old
+    # New pods are served by the new driver.
+    k.pvc("after-restart", CLASS_N1, "64Mi")
+    k.pod("after-restart", "after-restart", "write", "seed-R")
+    res = k.wait_pod_done("after-restart")
+    assert res["ok"], res
+    for p in ("hold", "after-restart"):
+        k.delete_pod(p)
+        k.delete_pvc(p)
+
+
+def test_pod_start_latency_with_fresh_volume(release: Cluster) -> None:
+    """Pod creation to Running, each with a freshly provisioned claim; p50 over 10."""
+    k = release
+    samples = []
+    for i in range(10):
+        name = f"lat{i}"
+        k.pvc(name, CLASS_AUTO, "64Mi")
+        k.pod(name, name, "hold", f"seed-{i}")
+        created = k.core.read_namespaced_pod(name, NS).metadata.creation_timestamp
+
+        def running_at(name: str = name) -> Any:
+            pod = k.core.read_namespaced_pod(name, NS)
+            for c in pod.status.conditions or []:
+                if c.type == "ContainersReady" and c.status == "True":
+                    return c.last_transition_time
+            return None
+        t = wait_until(f"{name} running", running_at, 180, interval=0.2)
+        samples.append((t - created).total_seconds())
+    record("pod_start_seconds", {"samples": samples, "p50": statistics.median(samples),
+                                 "max": max(samples)})
+    for i in range(10):
+        k.delete_pod(f"lat{i}", wait=False)
+    for i in range(10):
+        k.delete_pod(f"lat{i}")
+        k.delete_pvc(f"lat{i}", wait=False)
+    for i in range(10):
+        k.delete_pvc(f"lat{i}")
+
+
+def test_no_leaks(release: Cluster) -> None:
+    k = release
+    pvs = [pv.metadata.name for pv in k.core.list_persistent_volume().items
+           if pv.spec.csi and pv.spec.csi.driver == DRIVER]
+    assert not pvs, pvs
+    assert not k.storage.list_volume_attachment().items
+    caps = wait_until("capacity back to the empty pools", lambda: (c := k.capacities())
+                      and c[CLASS_N0][0] == POOL and c[CLASS_N1][0] == POOL and c, 90)
+    assert caps[CLASS_AUTO][0] == 2 * POOL
+    listed = k.driver_json("list")
+    assert not listed.get("entries"), listed
+    metrics = k.driver_metrics()
+    assert all(v == 0 for n, v in metrics.items() if n.startswith("csi_pmem_pool_volumes")), {
+        n: v for n, v in metrics.items() if n.startswith("csi_pmem_pool_volumes")}
+    emulated = Path(k.env["STATE_DIR"]) / "emulated"
+    left = [p.name for p in emulated.rglob("*") if p.is_file()] if emulated.exists() else []
+    record("emulated_files_left", left)
+    pod_mounts = [m for m in k.mounts_below(k.kubelet_dir + "/pods")
+                  if "kubernetes.io~csi" in m]
+    assert not pod_mounts, pod_mounts
