@@ -7,6 +7,7 @@ a real start-up path (flags, reconcile) is what users run.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -178,9 +179,38 @@ class DriverProcess:
 
     def cleanup_mounts(self) -> None:
         """Unmount whatever is still mounted below our base dir (tests that failed)."""
-        for m in reversed(mounts.mountinfo()):
-            if m.mount_point.startswith(str(self.base) + "/"):
-                subprocess.run(["umount", "-l", m.mount_point], check=False)
+        for m in reversed(mounts_below(self)):
+            subprocess.run(["umount", "-l", m.mount_point], check=False)
+
+
+# ------------------------------------------------------------------ state inspection
+def backing_ids(d: DriverProcess) -> list[str]:
+    """Volume ids of the backing files in the pools (``<id>~<align>.dax``), duplicates kept."""
+    return sorted(p.name.partition("~")[0] for p in d.pool_files())
+
+
+def records(d: DriverProcess) -> dict[str, dict]:
+    """Every state record as raw JSON; any other file in the store fails the test."""
+    out = {}
+    for p in sorted((d.state / "volumes").iterdir()):
+        assert p.suffix == ".json" and not p.name.startswith("."), \
+            f"stray file in the state store: {p.name}"
+        rec = json.loads(p.read_text())
+        assert p.name == f"{rec['id']}.json"
+        out[rec["id"]] = rec
+    return out
+
+
+def record_state(d: DriverProcess, vid: str) -> str | None:
+    """One record's state, read while the driver may be writing (it renames atomically)."""
+    try:
+        return json.loads((d.state / "volumes" / f"{vid}.json").read_text())["state"]
+    except FileNotFoundError:
+        return None
+
+
+def mounts_below(d: DriverProcess) -> list[mounts.MountInfo]:
+    return [m for m in mounts.mountinfo() if m.mount_point.startswith(str(d.base) + "/")]
 
 
 def needs_root():

@@ -10,7 +10,6 @@ state records and the mounts directly.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import random
@@ -25,7 +24,15 @@ from csi_pmem import mounts
 from csi_pmem.daxclient import map_volume, open_volume
 from csi_pmem.driver import volume_id_for
 
-from conftest import DriverProcess, MiB, needs_root
+from conftest import (
+    DriverProcess,
+    MiB,
+    backing_ids,
+    mounts_below,
+    needs_root,
+    record_state,
+    records,
+)
 
 pytestmark = [needs_root(), pytest.mark.root]
 
@@ -40,31 +47,6 @@ def capacities(d: DriverProcess) -> dict[int, tuple[int, int]]:
         resp = d.capacity({"numaNode": str(n)})
         out[n] = (resp.available_capacity, resp.maximum_volume_size.value)
     return out
-
-
-def backing_ids(d: DriverProcess) -> list[str]:
-    return sorted(p.name.partition("~")[0] for p in d.pool_files())
-
-
-def records(d: DriverProcess) -> dict[str, dict]:
-    out = {}
-    for p in sorted((d.state / "volumes").iterdir()):
-        assert p.suffix == ".json" and not p.name.startswith("."), \
-            f"stray file in the state store: {p.name}"
-        rec = json.loads(p.read_text())
-        out[rec["id"]] = rec
-    return out
-
-
-def record_state(d: DriverProcess, vid: str) -> str | None:
-    try:
-        return json.loads((d.state / "volumes" / f"{vid}.json").read_text())["state"]
-    except FileNotFoundError:
-        return None
-
-
-def mounts_below(d: DriverProcess) -> list[mounts.MountInfo]:
-    return [m for m in mounts.mountinfo() if m.mount_point.startswith(str(d.base) + "/")]
 
 
 def assert_empty(d: DriverProcess, initial: dict) -> None:

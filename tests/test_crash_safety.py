@@ -12,7 +12,6 @@ the restart) so a fail point that fires in the wrong place, or not at all, is no
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import threading
@@ -26,7 +25,15 @@ from csi_pmem import failpoints, mounts
 from csi_pmem.daxclient import DaxSocketError, map_volume, open_volume
 from csi_pmem.driver import volume_id_for
 
-from conftest import DriverProcess, MiB, needs_root
+from conftest import (
+    DriverProcess,
+    MiB,
+    backing_ids,
+    mounts_below,
+    needs_root,
+    record_state,
+    records,
+)
 
 pytestmark = [needs_root(), pytest.mark.root]
 
@@ -76,39 +83,10 @@ def assert_zeros(target: str, vid: str) -> None:
     assert blocks == [b"\0" * BLOCK] * 3, f"new volume {vid} does not read as zeros"
 
 
-def backing_ids(d: DriverProcess) -> list[str]:
-    """Volume ids of the backing files in the pools (``<id>~<align>.dax``), duplicates kept."""
-    return sorted(p.name.partition("~")[0] for p in d.pool_files())
-
-
 def backing_file(d: DriverProcess, vid: str) -> Path | None:
     found = [p for p in d.pool_files() if p.name.partition("~")[0] == vid]
     assert len(found) <= 1, f"{vid} has several backing files: {found}"
     return found[0] if found else None
-
-
-def records(d: DriverProcess) -> dict[str, dict]:
-    """Every state record as raw JSON; any other file in the store fails the test."""
-    out = {}
-    for p in sorted((d.state / "volumes").iterdir()):
-        assert p.suffix == ".json" and not p.name.startswith("."), \
-            f"stray file in the state store: {p.name}"
-        rec = json.loads(p.read_text())
-        assert p.name == f"{rec['id']}.json"
-        out[rec["id"]] = rec
-    return out
-
-
-def record_state(d: DriverProcess, vid: str) -> str | None:
-    """One record's state, read while the driver may be writing (it renames atomically)."""
-    try:
-        return json.loads((d.state / "volumes" / f"{vid}.json").read_text())["state"]
-    except FileNotFoundError:
-        return None
-
-
-def mounts_below(d: DriverProcess) -> list[mounts.MountInfo]:
-    return [m for m in mounts.mountinfo() if m.mount_point.startswith(str(d.base) + "/")]
 
 
 def capacities(d: DriverProcess) -> dict[int, tuple[int, int]]:
