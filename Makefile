@@ -22,8 +22,9 @@ run: setup
 	  --state-dir $(RUN_DIR)/state --kubelet-dir $(RUN_DIR)/kubelet \
 	  --metrics-address 127.0.0.1:9670
 
-# Everything CI runs: stubs, lint, all host tests (csi-sanity included), then the VM tier.
-test: check e2e-vm
+# Everything CI runs: stubs, lint, all host tests (csi-sanity included), the VM tier, and
+# the single-node Kubernetes tier (cold ~14 min for its builds, warm ~2.5 min).
+test: check e2e-vm e2e-cluster
 
 # The host tiers only (about 5 minutes): unit, real gRPC/mounts/cgroups, csi-sanity.
 check: setup tools proto-check lint deploy-check
@@ -72,9 +73,9 @@ e2e-vm: setup tools
 # The cluster tier: a real single-node Kubernetes 1.36 (etcd, apiserver, controller-manager,
 # scheduler, kubelet, containerd + runc, a CNI bridge) under /tmp/csi-pmem-e2e, the chart
 # installed with helm, e2e/cluster/test_cluster.py against it; torn down on every exit.
-# Needs root. Binaries and images are cached in $(CSI_PMEM_CACHE)/cluster (cold: ~30 min
-# of Go builds on 2 cores). E2E_CLUSTER_ARGS passes options, e.g. "--keep -- -k numa"
-# (e2e/cluster/README.md).
+# Needs root. Binaries and images are cached in $(CSI_PMEM_CACHE)/cluster: cold (empty Go
+# and binary caches) about 14 min on 2 cores, warm about 2.5 min. E2E_CLUSTER_ARGS passes
+# options, e.g. "--keep -- -k numa" (e2e/cluster/README.md).
 e2e-cluster: setup
 	bash e2e/cluster/run.sh $(E2E_CLUSTER_ARGS)
 

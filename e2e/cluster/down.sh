@@ -13,7 +13,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 . "${here}/net.sh"
 ROOT="${E2E_ROOT:-/tmp/csi-pmem-e2e}"
 LOG_DIR="${E2E_LOG_DIR:-${here}/../../build/e2e-cluster/logs}"
-log() { echo "down: $*" >&2; }
+log() { echo "down: [$(date +%T)] $*" >&2; }
 [[ -d "${ROOT}" ]] || { log "nothing to do (${ROOT} does not exist)"; exit 0; }
 
 # stop_pid NAME PID [MATCH]: TERM, wait up to 10 s, KILL. MATCH (a string that must be
@@ -118,7 +118,20 @@ for c in /sys/fs/cgroup/*/"${CGROUP_ROOT}"; do
 done
 net_down "${ROOT}"
 
-# 7. Keep the logs, drop the root (on a different file system than the repo, mv fails).
+# 7. Kubelet's symlinks to our pod logs, and host directories we created.
+for l in /var/log/containers/*.log; do
+  [[ -L "${l}" && "$(readlink "${l}")" == "${ROOT}/"* ]] && rm -f "${l}"
+done
+if [[ -f "${ROOT}/created-dirs" ]]; then
+  while read -r d; do
+    case "${d}" in
+      /var/log/containers) rmdir "${d}" 2>/dev/null ;;
+      /run/containerd) rmdir "${d}/s" "${d}" 2>/dev/null ;;
+    esac
+  done < "${ROOT}/created-dirs"
+fi
+
+# 8. Keep the logs, drop the root (on a different file system than the repo, mv fails).
 if [[ -d "${ROOT}/logs" ]]; then
   rm -rf "${LOG_DIR}"; mkdir -p "${LOG_DIR}"
   cp -r "${ROOT}/logs/." "${LOG_DIR}/" 2>/dev/null

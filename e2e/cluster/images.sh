@@ -142,5 +142,14 @@ for pair in PROVISIONER_IMAGE:csi-provisioner REGISTRAR_IMAGE:csi-node-driver-re
     --entrypoint "[\"/${b}\"]"
 done
 mv "${env_file}.tmp" "${env_file}"
+# Keep the cache from growing with every source change: drop archives and layers that
+# the current env file does not use (the base layer and root file system stay).
+keep=$(sed -n 's/^[A-Z_]*_ARCHIVE=//p' "${env_file}"; echo "${app_tar}" "${env_file}" \
+  "${base_tar}")
+for f in "${idir}"/*.tar "${idir}"/*.env "${idir}"/app-*.log; do
+  [[ -e "${f}" ]] || continue
+  case "$(basename "${f}")" in base-*|bin-*) continue ;; esac
+  grep -qxF "${f}" <(printf '%s\n' ${keep}) || rm -f "${f}"
+done
 log "image archives ready: ${env_file}"
 echo "${env_file}"

@@ -3,11 +3,14 @@
 # what we made, and nothing else.
 # shellcheck shell=bash disable=SC2034
 BRIDGE=cpe2e0                    # the CNI bridge; its address is the node's address
-SVC_DUMMY=cpe2e-svc              # the service CIDR is routed here (goes nowhere)
 POD_CIDR=10.88.77.0/24
 APISERVER_IP=10.88.77.1          # the bridge's own address
 SERVICE_CIDR=10.97.77.0/24
 KUBERNETES_SVC_IP=10.97.77.1     # first address of the service CIDR
+# Pods' nameserver: an address in the service CIDR with nothing behind it, so lookups
+# fail on our own bridge (containerd would otherwise copy the host's resolv.conf, whose
+# server is off the machine).
+CLUSTER_DNS_IP=10.97.77.10
 NAT_CHAIN=CSIPMEM-E2E
 FWD_CHAIN=CSIPMEM-E2E-FWD
 CGROUP_ROOT=csi-pmem-e2e
@@ -24,9 +27,9 @@ net_up() {  # net_up ROOT
   ip link add "${BRIDGE}" type bridge
   ip addr add "${APISERVER_IP}/24" dev "${BRIDGE}"
   ip link set "${BRIDGE}" up
-  ip link add "${SVC_DUMMY}" type dummy
-  ip link set "${SVC_DUMMY}" up
-  ip route add "${SERVICE_CIDR}" dev "${SVC_DUMMY}"
+  # The service CIDR goes to our own bridge, never to the default route. (A dummy
+  # interface would do too, but this kernel has no dummy driver: "Unknown device type".)
+  ip route add "${SERVICE_CIDR}" dev "${BRIDGE}"
   # No kube-proxy: the one service pods use, "kubernetes", goes to the apiserver.
   iptables -w -t nat -N "${NAT_CHAIN}"
   iptables -w -t nat -A "${NAT_CHAIN}" -d "${KUBERNETES_SVC_IP}/32" -p tcp --dport 443 \
@@ -83,6 +86,5 @@ net_down() {  # net_down ROOT: remove what net_up recorded (safe to repeat)
     ip link del "${veth}" 2>/dev/null || true
   done
   ip link del "${BRIDGE}" 2>/dev/null || true
-  ip link del "${SVC_DUMMY}" 2>/dev/null || true
   return 0
 }

@@ -25,6 +25,7 @@ done
 export E2E_ROOT="${E2E_ROOT:-/tmp/csi-pmem-e2e}"
 results="${E2E_RESULTS:-${repo}/build/e2e-cluster}"
 mkdir -p "${results}"
+rm -rf "${results}/driver-logs" "${results}/results.json" "${results}/junit.xml"
 export E2E_LOG_DIR="${results}/logs"
 timings="${results}/timings.txt"
 : > "${timings}"
@@ -32,8 +33,13 @@ t0=$(date +%s)
 step() { echo "$1 $(( $(date +%s) - $2 ))" >> "${timings}"; }
 
 [[ "$(id -u)" == 0 ]] || { echo "run.sh: run as root" >&2; exit 1; }
+# One test bed per host: the bridge, ports and chains are fixed names.
+exec 9> /tmp/csi-pmem-e2e-cluster.lock
+flock -n 9 || { echo "run.sh: another e2e-cluster run holds /tmp/csi-pmem-e2e-cluster.lock" >&2
+                exit 1; }
 # The Kubernetes client for the tests (the e2e extra).
-.venv/bin/python -c 'import kubernetes' 2>/dev/null \
+.venv/bin/python -c 'import kubernetes as k, sys; sys.exit(int(k.__version__.split(".")[0]) >= 37)' \
+  2>/dev/null \
   || .venv/bin/python -m pip install -q -e '.[e2e]'
 
 s=$(date +%s); bindir=$(bash "${here}/build.sh" all | tail -1); step build "${s}"

@@ -37,7 +37,12 @@ for b in containerd containerd-shim-runc-v2 runc ctr openssl iptables ip; do
   command -v "${b}" >/dev/null || die "${b} missing: run e2e/cluster/build.sh debs"
 done
 if [[ -e "${ROOT}/pids" || -e "${ROOT}/state.env" ]]; then
-  log "leftover ${ROOT}: cleaning it with down.sh first"
+  for p in "${ROOT}"/pids/*.pid; do
+    [[ -f "${p}" ]] && kill -0 "$(cat "${p}")" 2>/dev/null \
+      && die "a cluster is running in ${ROOT} ($(basename "${p}" .pid) is alive): stop it" \
+        "with E2E_ROOT=${ROOT} ${here}/down.sh, or use another E2E_ROOT"
+  done
+  log "leftover ${ROOT} of a dead cluster: cleaning it with down.sh first"
   E2E_ROOT="${ROOT}" "${here}/down.sh"
 fi
 
@@ -55,6 +60,12 @@ trap on_fail ERR
 t_up=$(date +%s)
 mkdir -p "${ROOT}"/{pids,logs,pki,etcd,containerd,cni/net.d,cni/ipam,kubelet,pod-logs,runc}
 echo "ROOT=${ROOT}" > "${ROOT}/state.env"
+# Two host paths are fixed in the components: kubelet's /var/log/containers symlinks and
+# the containerd shims' socket directory /run/containerd/s. down.sh removes what we add
+# there, and the directories themselves when they did not exist before.
+for d in /var/log/containers /run/containerd; do
+  [[ -e "${d}" ]] || echo "${d}" >> "${ROOT}/created-dirs"
+done
 
 # A shared mount at the root: kubelet's dir needs Bidirectional propagation for the
 # driver's tmpfs mounts (the host's / is private here), and down.sh unmounts below it.
@@ -116,7 +127,7 @@ export KUBECONFIG="${ROOT}/admin.kubeconfig"
 
 start() {  # start NAME CMD... : run in its own session, record the PID
   local name=$1; shift
-  setsid "$@" > "${ROOT}/logs/${name}.log" 2>&1 < /dev/null &
+  setsid "$@" > "${ROOT}/logs/${name}.log" 2>&1 < /dev/null 9>&- &
   echo $! > "${ROOT}/pids/${name}.pid"
   log "${name} started (pid $!)"
 }
@@ -249,7 +260,7 @@ for c in /sys/fs/cgroup/*/; do
   fi
 done
 echo "CGROUP_ROOT=${CGROUP_ROOT}" >> "${ROOT}/state.env"
-: > "${ROOT}/resolv.conf"   # pods get no DNS server at all
+: > "${ROOT}/resolv.conf"   # hostNetwork pods with dnsPolicy Default: no server at all
 cat > "${ROOT}/kubelet-config.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -271,6 +282,7 @@ authentication:
 authorization: {mode: Webhook}
 resolvConf: ${ROOT}/resolv.conf
 clusterDomain: cluster.local
+clusterDNS: [${CLUSTER_DNS_IP}]
 podLogsDir: ${ROOT}/pod-logs
 volumePluginDir: ${ROOT}/kubelet/volume-plugins
 makeIPTablesUtilChains: false
