@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from csi_pmem import failpoints, mounts
@@ -104,7 +104,6 @@ class DriverConfig:
 class Capacity:
     available: int
     maximum_volume_size: int
-    total: int
 
 
 @dataclass(frozen=True)
@@ -135,8 +134,7 @@ class Driver:
         available = sum(self._usable_in(p.free, p, params.align) for p in pools)
         largest = max((self._usable_in(p.largest_extent, p, params.align) for p in pools),
                       default=0)
-        total = sum(p.size for p in pools)
-        return Capacity(available=available, maximum_volume_size=largest, total=total)
+        return Capacity(available=available, maximum_volume_size=largest)
 
     @staticmethod
     def _usable_in(nbytes: int, pool: Pool, align: int) -> int:
@@ -592,10 +590,6 @@ class Driver:
                     pub.state = PUBLISHED
                     self.store.put(rec)
                 log.info("serving %s again at %s", rec.id, target)
-
-    def published_targets(self) -> Iterable[str]:
-        for rec in self.store.all():
-            yield from rec.publications
 
     def close(self) -> None:
         self.dax.close()

@@ -16,7 +16,6 @@ the loop device: a real device node, so device-cgroup rules apply to it exactly 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -73,16 +72,10 @@ class EmulatedBackend(Backend):
         self._lock = threading.Lock()  # guards the loop-device map only
         for node in self.regions:
             self._dir(f"region{node}").mkdir(parents=True, exist_ok=True)
-        self._write_layout()
 
     # -- layout -------------------------------------------------------------------
     def _dir(self, pool: str) -> Path:
         return self.root / pool
-
-    def _write_layout(self) -> None:
-        """Record the configured regions so a shrunk configuration is noticed, not trusted."""
-        (self.root / "regions.json").write_text(json.dumps(
-            {f"region{n}": {"numa_node": n, "size": s} for n, s in self.regions.items()}))
 
     def _files(self, pool: str) -> list[Path]:
         return sorted(self._dir(pool).glob(f"*{SUFFIX}"))
