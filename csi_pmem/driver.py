@@ -42,8 +42,10 @@ from csi_pmem.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from csi_pmem.filesystems import Usage
+from csi_pmem.fsdax_node import Access, FsdaxNode
 from csi_pmem.locks import InFlight
-from csi_pmem.params import VolumeParams
+from csi_pmem.params import FSDAX, VolumeParams
 from csi_pmem.sizes import allocation_for, allocation_step, devdax_usable, format_bytes, round_down
 from csi_pmem.state import (
     CREATING,
@@ -126,6 +128,7 @@ class Driver:
         self.on_erase = on_erase or (lambda nbytes, seconds: None)
         self.orphans: list[str] = []
         self._kubelet_real = os.path.realpath(config.kubelet_dir)
+        self.fsdax = FsdaxNode(backend, store, self._umount)
 
     # ------------------------------------------------------------------ capacity
     def capacity(self, params: VolumeParams) -> Capacity:
@@ -187,7 +190,8 @@ class Driver:
             self.store.put(record)
             failpoints.hit(failpoints.CREATE_AFTER_RECORD)
             try:
-                ns = self.backend.create(vid, pool.name, size, params.align)
+                ns = self.backend.create(vid, pool.name, size, params.align,
+                                         mode=params.device_mode)
             except BaseException:
                 # Nothing was handed out: drop the intent so capacity adds up again.
                 if self.backend.get(vid) is None:
@@ -280,10 +284,12 @@ class Driver:
                         f"namespace {vid} exists but has no state record on node "
                         f"{self.config.node_id}; it is left alone, inspect it by hand")
                 return
-            if rec.publications:
+            if rec.publications or rec.stages:
+                where = sorted(rec.publications) or sorted(rec.stages)
                 raise FailedPrecondition(
-                    f"volume {vid} is still published at {', '.join(sorted(rec.publications))}; "
-                    "unpublish it (delete the pods using it) first")
+                    f"volume {vid} is still {'published' if rec.publications else 'staged'} "
+                    f"at {', '.join(where)}; unpublish and unstage it (delete the pods using "
+                    "it) first")
             rec.state = DELETING
             self.store.put(rec)
             failpoints.hit(failpoints.DELETE_AFTER_RECORD)
@@ -365,11 +371,41 @@ class Driver:
                 f"{self.config.kubelet_dir} that this driver publishes into (--kubelet-dir)")
         return target
 
+    # ------------------------------------------------------------------ stage
+    def stage(self, vid: str, path: str, access: Access) -> None:
+        """NodeStageVolume: mount an fsdax file system once per node; nothing for devdax
+        (each publish is self-contained) or for fsdax block volumes."""
+        path = self.check_target(path)
+        with self.inflight.hold(vid, "NodeStageVolume"):
+            rec = self.get(vid)
+            if rec.device_mode == FSDAX:
+                self.fsdax.stage(rec, path, access)
+
+    def unstage(self, vid: str, path: str) -> None:
+        if not path:
+            raise InvalidArgument("staging_target_path is required")
+        with self.inflight.hold(vid, "NodeUnstageVolume"):
+            rec = self.get(vid)
+            if rec.device_mode == FSDAX:
+                self.fsdax.unstage(rec, path)
+
+    # ------------------------------------------------------------------ publish
     def publish(self, vid: str, target: str, readonly: bool, *, pod_uid: str | None = None,
-                mount_group: int | None = None, access_mode: str = "") -> None:
+                mount_group: int | None = None, access_mode: str = "",
+                access: Access | None = None, staging: str = "") -> None:
         target = self.check_target(target)
         with self.inflight.hold(vid, "NodePublishVolume"):
             rec = self.get(vid)
+            if rec.device_mode == FSDAX:
+                if access is None:
+                    raise InvalidArgument(
+                        f"volume {vid} is an fsdax volume: say whether to publish it as a "
+                        "block device or a file system")
+                self.fsdax.publish(rec, target, readonly, access,
+                                   self.check_target(staging) if staging else "",
+                                   mount_group=mount_group, pod_uid=pod_uid,
+                                   access_mode=access_mode)
+                return
             pub = rec.publications.get(target)
             current = mounts.find(target)
             if pub is not None and pub.state == PUBLISHED and current is not None \
@@ -518,6 +554,14 @@ class Driver:
         with self.inflight.hold(vid, "NodeUnpublishVolume"):
             rec = self.get(vid)
             pub = rec.publications.get(target)
+            if rec.device_mode == FSDAX:
+                if pub is not None or (os.path.isabs(target)
+                                       and self.fsdax.mounted_here(rec, target)):
+                    if pub is not None:
+                        pub.state = UNPUBLISHING
+                        self.store.put(rec)
+                    self.fsdax.unpublish(rec, target)
+                return
             current = mounts.find(target) if os.path.isabs(target) else None
             ours = current is not None and current.source == mounts.source_for(vid)
             if pub is None and not ours:
@@ -540,12 +584,19 @@ class Driver:
         self.store.put(rec)
         log.info("unpublished %s from %s", rec.id, target)
 
-    def publication(self, vid: str, path: str) -> tuple[VolumeRecord, Publication]:
+    def usage(self, vid: str, path: str) -> tuple[VolumeRecord, Usage | None]:
+        """NodeGetVolumeStats: file system usage at ``path``, or None for a device.
+
+        devdax volumes and fsdax block volumes are raw devices whose contents the driver
+        cannot interpret: the caller reports them whole and free.
+        """
         rec = self.get(vid)
+        if rec.device_mode == FSDAX:
+            return rec, self.fsdax.usage(rec, path)
         pub = rec.publications.get(path)
         if pub is None or pub.state != PUBLISHED:
             raise NotFound(f"volume {vid} is not published at {path!r} on this node")
-        return rec, pub
+        return rec, None
 
     # ------------------------------------------------------------------ start-up
     def reconcile(self) -> None:
@@ -565,7 +616,10 @@ class Driver:
                     log.info("volume %s moved from %s to %s", rec.id, rec.device, ns.device)
                     rec.device = ns.device
                     self.store.put(rec)
-                self._reconcile_publications(rec)
+                if rec.device_mode == FSDAX:
+                    self.fsdax.reconcile(rec)
+                else:
+                    self._reconcile_publications(rec)
             except Exception:
                 log.exception("could not reconcile volume %s; it is left as it is", rec.id)
         self.orphans = sorted(n for n in namespaces if is_volume_id(n))

@@ -23,9 +23,12 @@ PUBLISH_AFTER_RECORD = "publish-after-record"
 PUBLISH_AFTER_MOUNT = "publish-after-mount"
 PUBLISH_AFTER_SOCKET = "publish-after-socket"
 UNPUBLISH_AFTER_UMOUNT = "unpublish-after-umount"
+STAGE_AFTER_MKFS = "stage-after-mkfs"
 ALL = (CREATE_AFTER_RECORD, CREATE_AFTER_NAMESPACE, DELETE_AFTER_RECORD, DELETE_AFTER_ERASE,
        DELETE_AFTER_DESTROY, PUBLISH_AFTER_RECORD, PUBLISH_AFTER_MOUNT, PUBLISH_AFTER_SOCKET,
        UNPUBLISH_AFTER_UMOUNT)
+# Fail points on the fsdax paths (tested by the fsdax crash tests, not the devdax ones).
+FSDAX = (STAGE_AFTER_MKFS, PUBLISH_AFTER_RECORD, PUBLISH_AFTER_MOUNT, UNPUBLISH_AFTER_UMOUNT)
 
 
 def hit(name: str) -> None:

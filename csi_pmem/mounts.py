@@ -1,4 +1,4 @@
-"""The tmpfs mounts that carry a published devdax volume, and reading mountinfo.
+"""The mounts the driver makes (devdax tmpfs, fsdax binds) and reading mountinfo.
 
 Why: a devdax character device cannot be a Block volume (DESIGN.md 1.1), so a
 published volume is a tiny tmpfs at the pod's target path holding ``volume.json`` and
@@ -6,6 +6,10 @@ published volume is a tiny tmpfs at the pod's target path holding ``volume.json`
 recognises its own mounts after a restart (mountinfo is the truth about mounts, the
 state record only says what was intended). The tmpfs is remounted read-only once
 populated so nothing in the pod can replace the socket or the metadata.
+
+fsdax volumes are recognised by device instead: a file system mount by its
+``major:minor`` in mountinfo, a block device bound onto a target file by the ``st_rdev``
+the target then stats with.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ class MountInfo:
     fstype: str
     source: str
     options: frozenset[str]
+    dev: str = ""  # "major:minor" of the mounted file system
+    root: str = "/"  # the path inside that file system that is mounted here
 
     @property
     def readonly(self) -> bool:
@@ -73,7 +79,7 @@ def mountinfo(path: str = "/proc/self/mountinfo") -> list[MountInfo]:
         opts = set(fields[5].split(",")) | set(rfields[2].split(",") if len(rfields) > 2
                                               else [])
         mounts.append(MountInfo(_unescape(fields[4]), rfields[0], _unescape(rfields[1]),
-                                frozenset(opts)))
+                                frozenset(opts), dev=fields[2], root=_unescape(fields[3])))
     return mounts
 
 
@@ -102,6 +108,34 @@ def remount(target: str, readonly: bool) -> None:
 
 def umount(target: str) -> None:
     runner.run(["umount", target], timeout=TIMEOUT)
+
+
+def mount(device: str, target: str, fstype: str, options: list[str],
+          timeout: float = TIMEOUT) -> None:
+    argv = ["mount", "-t", fstype]
+    if options:
+        argv += ["-o", ",".join(options)]
+    runner.run([*argv, device, target], timeout=timeout)
+
+
+def bind(source: str, target: str, readonly: bool) -> None:
+    """Bind ``source`` (a directory or a device node) onto ``target``.
+
+    A read-only bind needs a second step: the kernel ignores ``ro`` on the bind itself
+    and applies it only on ``remount,bind``.
+    """
+    runner.run(["mount", "--bind", source, target], timeout=TIMEOUT)
+    if readonly:
+        try:
+            runner.run(["mount", "-o", "remount,bind,ro", target], timeout=TIMEOUT)
+        except BaseException:
+            runner.run(["umount", target], timeout=TIMEOUT)
+            raise
+
+
+def dev_of(rdev: int) -> str:
+    """The ``major:minor`` text mountinfo uses for a device number."""
+    return f"{os.major(rdev)}:{os.minor(rdev)}"
 
 
 def is_dir_empty(path: str) -> bool:

@@ -20,6 +20,14 @@ NUMA_NODE = "numaNode"
 ALIGN = "align"
 ERASE_ON_DELETE = "eraseOnDelete"
 VALID_KEYS = (DEVICE_MODE, NUMA_NODE, ALIGN, ERASE_ON_DELETE)
+DEVDAX, FSDAX = "devdax", "fsdax"
+DEVICE_MODES = (DEVDAX, FSDAX)
+# Keys that only mean something for one device mode: a class that sets them for the
+# other mode is a mistake worth an error, not a silently ignored setting.
+DEVDAX_ONLY = (ALIGN,)
+# fsdax namespaces use the kernel's default PMD alignment: file systems with -o dax map
+# huge pages when extents are 2 MiB aligned, and 1 GiB is not supported for fsdax.
+FSDAX_ALIGN = DEVDAX_ALIGNS["2Mi"]
 CO_PREFIX = "csi.storage.k8s.io/"
 _TRUE = {"true", "yes", "1", "on"}
 _FALSE = {"false", "no", "0", "off"}
@@ -29,7 +37,7 @@ _FALSE = {"false", "no", "0", "off"}
 class VolumeParams:
     """Resolved parameters of one volume or StorageClass."""
 
-    device_mode: str = "devdax"
+    device_mode: str = DEVDAX
     numa_node: int | None = None  # None means "auto": the driver picks the pool
     align: int = DEVDAX_ALIGNS["2Mi"]
     erase_on_delete: bool = True
@@ -51,17 +59,26 @@ def parse(parameters: Mapping[str, str]) -> VolumeParams:
         raise InvalidArgument(
             f"unknown StorageClass parameter(s) {', '.join(map(repr, unknown))}; "
             f"valid parameters are {', '.join(VALID_KEYS)}")
-    mode = parameters.get(DEVICE_MODE, "devdax")
-    if mode == "fsdax":
+    mode = parameters.get(DEVICE_MODE, DEVDAX)
+    if mode not in DEVICE_MODES:
         raise InvalidArgument(
-            "deviceMode 'fsdax' is not supported by this driver version yet; "
-            "use deviceMode: devdax (the default)")
-    if mode != "devdax":
-        raise InvalidArgument(f"invalid deviceMode {mode!r}; valid value: devdax")
+            f"invalid deviceMode {mode!r}; valid values: devdax (a character device handed "
+            "out through dax.sock) or fsdax (a block device: volumeMode Block, or ext4/xfs "
+            "mounted with -o dax)")
+    if mode == FSDAX:
+        misplaced = [k for k in DEVDAX_ONLY if k in parameters]
+        if misplaced:
+            raise InvalidArgument(
+                f"parameter(s) {', '.join(misplaced)} apply to deviceMode devdax only; "
+                "fsdax volumes always use the 2Mi alignment: remove them from the "
+                "StorageClass")
+        align = FSDAX_ALIGN
+    else:
+        align = _align(parameters.get(ALIGN, "2Mi"))
     return VolumeParams(
         device_mode=mode,
         numa_node=_numa(parameters.get(NUMA_NODE, "auto")),
-        align=_align(parameters.get(ALIGN, "2Mi")),
+        align=align,
         erase_on_delete=_bool(ERASE_ON_DELETE, parameters.get(ERASE_ON_DELETE, "true")),
         co_labels={k: v for k, v in parameters.items() if k.startswith(CO_PREFIX)},
     )

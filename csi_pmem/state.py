@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 CREATING, READY, DELETING = "creating", "ready", "deleting"
 # Publish states, per target.
 PUBLISHING, PUBLISHED, UNPUBLISHING = "publishing", "published", "unpublishing"
+# Stage states, per staging path (fsdax file systems only).
+STAGING, STAGED, UNSTAGING = "staging", "staged", "unstaging"
+# What a publication is: devdax's tmpfs with dax.sock, an fsdax block device bound onto
+# a file, or a bind mount of an fsdax file system staged at ``staging``.
+DAX, BLOCK, MOUNT = "dax", "block", "mount"
 
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
@@ -35,6 +40,19 @@ class Publication:
     pod_uid: str | None = None
     mount_group: int | None = None
     access_mode: str = ""
+    kind: str = DAX
+    staging: str = ""
+
+
+@dataclass
+class Stage:
+    """An fsdax file system mounted (with -o dax where the device can) at ``path``."""
+
+    path: str
+    fs_type: str
+    mount_flags: list[str] = field(default_factory=list)
+    state: str = STAGING
+    dax: bool = True
 
 
 @dataclass
@@ -53,6 +71,11 @@ class VolumeRecord:
     device: str = ""
     created_at: float = field(default_factory=time.time)
     publications: dict[str, Publication] = field(default_factory=dict)
+    stages: dict[str, Stage] = field(default_factory=dict)
+
+    @property
+    def device_mode(self) -> str:
+        return self.params.get("deviceMode", "devdax")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, indent=1)
@@ -61,7 +84,8 @@ class VolumeRecord:
     def from_json(cls, text: str) -> VolumeRecord:
         raw = json.loads(text)
         pubs = {t: Publication(**p) for t, p in raw.pop("publications", {}).items()}
-        return cls(**raw, publications=pubs)
+        stages = {t: Stage(**s) for t, s in raw.pop("stages", {}).items()}
+        return cls(**raw, publications=pubs, stages=stages)
 
 
 class StateStore:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything the driver and its tests need on a fresh Debian 12 machine:
-# system packages (util-linux for mount/losetup, libudev for pyudev), a virtual
+# system packages (util-linux for mount/losetup/blkid, e2fsprogs and xfsprogs for fsdax
+# file systems, libudev for pyudev), a virtual
 # environment in .venv with the project and its test extras, pip's cache kept in
 # ~/.cache/pip between runs. Idempotent: a second run only checks.
 set -euo pipefail
@@ -9,6 +10,10 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v losetup >/dev/null || need_apt+=(util-linux)
 command -v mount >/dev/null || need_apt+=(mount)
+# fsdax file systems: blkid (probe), mkfs.ext4 and mkfs.xfs.
+command -v blkid >/dev/null || need_apt+=(util-linux)
+command -v mkfs.ext4 >/dev/null || need_apt+=(e2fsprogs)
+command -v mkfs.xfs >/dev/null || need_apt+=(xfsprogs)
 ldconfig -p 2>/dev/null | grep -q 'libudev.so.1 ' || need_apt+=(libudev1)
 python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 if ((${#need_apt[@]})); then

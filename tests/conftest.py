@@ -151,10 +151,23 @@ class DriverProcess:
                                      timeout=120)
 
     def publish(self, volume_id: str, target: str, readonly: bool = False, context=None,
-                cap=None) -> None:
+                cap=None, staging: str = "") -> None:
         self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
             volume_id=volume_id, target_path=target, readonly=readonly,
-            volume_capability=cap or mount_cap(), volume_context=context or {}), timeout=60)
+            volume_capability=cap or mount_cap(), volume_context=context or {},
+            staging_target_path=staging), timeout=60)
+
+    def stage(self, volume_id: str, path: str, cap=None, context=None) -> None:
+        self.node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
+            volume_id=volume_id, staging_target_path=path, volume_capability=cap or mount_cap(),
+            volume_context=context or {}), timeout=120)
+
+    def unstage(self, volume_id: str, path: str) -> None:
+        self.node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(
+            volume_id=volume_id, staging_target_path=path), timeout=60)
+
+    def staging(self, name: str) -> str:
+        return str(self.kubelet / "plugins" / "staging" / name / "globalmount")
 
     def unpublish(self, volume_id: str, target: str) -> None:
         self.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
@@ -175,7 +188,8 @@ class DriverProcess:
                 return ids
 
     def pool_files(self) -> list[Path]:
-        return sorted((self.base / "pools").glob("region*/*.dax"))
+        pools = self.base / "pools"
+        return sorted([*pools.glob("region*/*.dax"), *pools.glob("region*/*.fsdax")])
 
     def cleanup_mounts(self) -> None:
         """Unmount whatever is still mounted below our base dir (tests that failed)."""
@@ -185,7 +199,8 @@ class DriverProcess:
 
 # ------------------------------------------------------------------ state inspection
 def backing_ids(d: DriverProcess) -> list[str]:
-    """Volume ids of the backing files in the pools (``<id>~<align>.dax``), duplicates kept."""
+    """Volume ids of the backing files in the pools (``<id>~<align>.dax`` or ``.fsdax``),
+    duplicates kept."""
     return sorted(p.name.partition("~")[0] for p in d.pool_files())
 
 
@@ -234,7 +249,7 @@ def driver_factory():
     for d in made:
         d.kill()
         d.cleanup_mounts()
-        if d.device == "loop":
+        if d.device == "loop" or any(f.suffix == ".fsdax" for f in d.pool_files()):
             for f in d.pool_files():
                 out = subprocess.run(["losetup", "-j", str(f)], capture_output=True, text=True)
                 for line in out.stdout.splitlines():

@@ -7,8 +7,13 @@ tensor offsets, truncated headers).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import struct
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -147,4 +152,38 @@ def staged_volume(src: Path, path: Path, size: int = 64 * MiB, name: str = "m") 
     volume_file(path, size)
     with open_volume(path, writable=True) as vol:
         stage(vol, str(src), name=name)
+    return path
+
+
+def can_make_loop_devices() -> bool:
+    return os.geteuid() == 0 and shutil.which("losetup") is not None and \
+        os.path.exists("/dev/loop-control")
+
+
+@contextlib.contextmanager
+def loop_device(backing: Path) -> Iterator[str]:
+    """A loop block device over ``backing`` (root only; stands in for an fsdax
+    ``/dev/pmemX.Y``), detached afterwards."""
+    device = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True,
+                            capture_output=True, text=True, timeout=30).stdout.strip()
+    try:
+        yield device
+    finally:
+        subprocess.run(["losetup", "-d", device], check=False, capture_output=True,
+                       timeout=30)
+
+
+def fake_mountinfo(path: Path, mounts: list[tuple[str, str, str, str]],
+                   dev_of: Path | None = None, dev: str = "254:0") -> Path:
+    """Write a mountinfo file: (mount point, fstype, source, super options) per mount,
+    under an ext4 root. Every listed mount gets ``dev_of``'s device (the file system
+    the test's files really are on) or else ``dev``, the root another one."""
+    if dev_of is not None:
+        st = os.stat(dev_of)
+        dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    lines = ["20 1 254:77 / / rw,relatime shared:1 - ext4 /dev/vda rw"]
+    for i, (point, fstype, source, options) in enumerate(mounts):
+        lines.append(f"{30 + i} 20 {dev} / {point} rw,relatime shared:{2 + i} - "
+                     f"{fstype} {source} {options}")
+    path.write_text("\n".join(lines) + "\n")
     return path

@@ -128,8 +128,9 @@ def test_parameters_are_validated(driver):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "numaNode" in info.value.details()  # the valid names are listed
     with pytest.raises(grpc.RpcError) as info:
-        driver.create("fs", params={"deviceMode": "fsdax"})
-    assert "not supported" in info.value.details()
+        driver.create("fs", params={"deviceMode": "fsdax", "align": "2Mi"})
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "devdax only" in info.value.details()  # align is a devdax parameter
     for bad in ({"align": "4Ki"}, {"numaNode": "-1"}, {"eraseOnDelete": "maybe"}):
         assert code_of(driver.create, "bad", params=bad) == grpc.StatusCode.INVALID_ARGUMENT
     vol = driver.create("co-keys", params={"csi.storage.k8s.io/pvc/name": "claim"}).volume

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from csi_pmem.loader import ChecksumError, load_safetensors, open_volume, start_load
+from csi_pmem.loader import ChecksumError, load_safetensors, open_volume, stage, start_load
 from csi_pmem.loader.layout import read_index
 
 import loader_models as lm
@@ -191,3 +191,93 @@ def test_reserved_device_memory_is_used_by_the_next_load(models, mode):
         again = load_safetensors(v, "cuda:0", loader=loader)  # no reservation: fresh memory
     assert_same(got, reference(models / "sharded"))
     assert_same(again, reference(models / "sharded"))
+
+
+def bounce_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and "bounce buffers" in r.getMessage()]
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["registered", "auto"])
+def test_a_file_on_a_dax_mount_is_never_registered(models, tmp_path, monkeypatch, caplog,
+                                                   mode):
+    """fsdax: the kernel refuses the pins, so the loader must not even try."""
+    from csi_pmem.loader import registered
+    from csi_pmem.loader import volume as volume_mod
+    from csi_pmem.loader.gpu import GpuLoader
+    from csi_pmem.loader.model import open_model
+
+    def must_not_register(self, start, end):
+        raise AssertionError("a DAX file's mapping was registered")
+
+    monkeypatch.setattr(registered.Registration, "ensure", must_not_register)
+    vol = lm.staged_volume(models / "sharded", models / "v")
+    fake = lm.fake_mountinfo(tmp_path / "mountinfo",
+                             [(str(models), "ext4", "/dev/pmem0", "rw,dax=always")], vol)
+    monkeypatch.setattr(volume_mod, "MOUNTINFO", str(fake))
+    caplog.set_level("INFO", logger="csi_pmem.loader.gpu")
+    with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=2, mode=mode) as loader, \
+            open_volume(vol) as v:
+        assert "DAX file system" in (v.registration_refused_reason or "")
+        assert loader.register(open_model(v)) is None
+        for _ in range(3):  # auto would register from the second load
+            got = load_safetensors(v, "cuda:0", loader=loader)
+            assert loader.last_path == "bounce"
+            assert loader.registration_refused_reason == v.registration_refused_reason
+        assert not loader._registrations
+    said = [r for r in caplog.records if "DAX file system" in r.getMessage()
+            and "bounce buffers" in r.getMessage()]
+    assert len(said) == 1  # once per mapping
+    assert_same(got, reference(models / "sharded"))
+
+
+@cuda
+def test_cuda_host_register_raising_falls_back_with_one_warning(models, monkeypatch, caplog):
+    from csi_pmem.loader.gpu import GpuLoader
+
+    real = torch.cuda.cudart
+
+    class Raising:
+        def __init__(self):
+            self.rt = real()
+
+        def cudaHostRegister(self, *args):
+            raise RuntimeError("simulated binding failure")
+
+        def __getattr__(self, name):
+            return getattr(self.rt, name)
+
+    monkeypatch.setattr(torch.cuda, "cudart", Raising)
+    vol = lm.staged_volume(models / "np", models / "v")
+    with GpuLoader("cuda:0", mode="registered") as loader, open_volume(vol) as v:
+        for _ in range(3):
+            got = load_safetensors(v, "cuda:0", loader=loader)
+            assert loader.last_path == "bounce"
+            assert "simulated binding failure" in loader.registration_refused_reason
+        assert not loader._registrations
+    warned = bounce_warnings(caplog)
+    assert len(warned) == 1 and "RuntimeError" in warned[0]
+    assert_same(got, reference(models / "np"))
+
+
+@cuda
+@pytest.mark.skipif(not lm.can_make_loop_devices(), reason="needs root and losetup")
+def test_a_block_device_loads_through_bounce_buffers(models, monkeypatch):
+    from csi_pmem.loader import registered
+    from csi_pmem.loader.gpu import GpuLoader
+
+    def must_not_register(self, start, end):
+        raise AssertionError("a block device's mapping was registered")
+
+    monkeypatch.setattr(registered.Registration, "ensure", must_not_register)
+    backing = lm.volume_file(models / "backing.img", 64 * lm.MiB)
+    with lm.loop_device(backing) as device:
+        with open_volume(device, writable=True) as v:
+            stage(v, str(models / "bf16"))
+        with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=2,
+                       mode="registered") as loader:
+            got = load_safetensors(device, "cuda:0", loader=loader)
+            assert loader.last_path == "bounce"
+            assert "block device" in loader.registration_refused_reason
+    assert_same(got, reference(models / "bf16"))

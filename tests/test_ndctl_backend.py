@@ -3,8 +3,10 @@
 The fixtures under ``fixtures/ndctl`` are shaped after what ndctl prints
 (``ndctl/list.c`` ``region_to_json``, ``ndctl/json.c`` ``util_namespace_to_json``,
 ``daxctl/json.c``) for a QEMU guest with two 1 GiB NVDIMMs on NUMA nodes 0 and 1
-(DESIGN.md 3). ``sysfs_*.json`` map paths under ``/sys`` to file contents. No root,
-no ndctl, no kernel. Also covers :mod:`csi_pmem.udev`.
+(DESIGN.md 3). ``*_fsdax.json`` add fsdax namespaces (a pfn device: ``blockdev``,
+``sector_size``, the block device's size) and a sector one. ``sysfs_*.json`` map paths
+under ``/sys`` to file contents. No root, no ndctl, no kernel. Also covers
+:mod:`csi_pmem.udev`.
 """
 
 from __future__ import annotations
@@ -285,11 +287,12 @@ def test_pool_align_follows_region_align_and_ways(sysroot, ways, region_align, e
 
 
 # -------------------------------------------------------------------- namespaces
-def test_namespaces_lists_only_named_devdax(sysroot):
+def test_namespaces_lists_named_devdax_and_fsdax(sysroot):
     b = backend(FakeRunner(load("list_namespaces")), sysroot("namespaces"))
     found = {ns.name: ns for ns in b.namespaces()}
-    # namespace0.1 has no name, "scratch" is fsdax, namespace0.4 and 1.1 are idle seeds.
-    assert sorted(found) == ["pvc-0f1e2d3c4b", "pvc-7a3b1c9d2e", "pvc-disabled01"]
+    # namespace0.1 has no name, namespace0.4 and 1.1 are idle seeds. Which names are
+    # volume ids is the driver's business, not the back end's.
+    assert sorted(found) == ["pvc-0f1e2d3c4b", "pvc-7a3b1c9d2e", "pvc-disabled01", "scratch"]
     ns = found["pvc-7a3b1c9d2e"]
     assert ns.pool == "region0"
     assert ns.numa_node == 0
@@ -298,12 +301,53 @@ def test_namespaces_lists_only_named_devdax(sysroot):
     assert ns.align == 2 * MiB
     assert ns.device == "/dev/dax0.0"
     assert ns.handle == "namespace0.0"
+    assert (ns.mode, ns.fs_dax) == ("devdax", True)
     other = found["pvc-0f1e2d3c4b"]
     assert (other.pool, other.numa_node, other.device) == ("region1", 1, "/dev/dax1.0")
     disabled = found["pvc-disabled01"]
     assert disabled.device == "" and disabled.size == 64 * MiB
     assert b.get("pvc-7a3b1c9d2e") == ns
-    assert b.get("scratch") is None
+    scratch = b.get("scratch")
+    assert (scratch.mode, scratch.device, scratch.size, scratch.usable_size) == \
+        ("fsdax", "/dev/pmem0.2", 128 * MiB, 124 * MiB)
+
+
+DEVDAX_VOL = "pmem-3c1f0a9e5b7d4e2a8f6c0b1d9e7a5c3f"    # namespace0.0, region0
+FSDAX_VOL = "pmem-8e2d4b6f1a3c5e7d9b0f2a4c6e8d0b1a"     # namespace0.1, region0
+IDLE_FSDAX_VOL = "pmem-0b2d4f6a8c0e2b4d6f8a0c2e4b6d8f0a"  # namespace1.0, region1, disabled
+SECTOR_NAME = "pmem-5a7c9e1b3d5f7a9c1e3b5d7f9a1c3e5b"   # namespace0.2: BTT, never ours
+
+
+def test_namespaces_lists_devdax_and_fsdax_with_their_devices(sysroot):
+    b = backend(FakeRunner(load("list_fsdax")), sysroot("fsdax"))
+    found = {ns.name: ns for ns in b.namespaces()}
+    assert sorted(found) == sorted([DEVDAX_VOL, FSDAX_VOL, IDLE_FSDAX_VOL])  # no sector
+    dev = found[DEVDAX_VOL]
+    assert (dev.mode, dev.device, dev.size, dev.usable_size, dev.align, dev.fs_dax) == \
+        ("devdax", "/dev/dax0.0", 256 * MiB, 250 * MiB, 2 * MiB, True)
+    fs = found[FSDAX_VOL]
+    assert fs.mode == "fsdax"
+    assert fs.device == "/dev/pmem0.1"     # the block device, not a dax node
+    assert fs.fs_dax                       # real pmem: mount -o dax works
+    assert fs.size == 512 * MiB            # raw size from sysfs
+    assert fs.usable_size == 502 * MiB     # pfn (block device) size printed by ndctl
+    assert fs.usable_size == devdax_usable(fs.size, fs.align)  # same struct-page arithmetic
+    assert (fs.pool, fs.numa_node, fs.align, fs.handle) == \
+        ("region0", 0, 2 * MiB, "namespace0.1")
+    idle = found[IDLE_FSDAX_VOL]
+    assert (idle.mode, idle.device, idle.size, idle.pool, idle.numa_node) == \
+        ("fsdax", "", 128 * MiB, "region1", 1)
+    assert b.get(FSDAX_VOL) == fs
+    assert b.get(SECTOR_NAME) is None
+    # Every configured namespace holds a label slot, whatever its mode: 506 free + 3.
+    pools = pools_by_name(b)
+    assert pools["region0"].label_slots == 509
+    assert pools["region0"].free == 176 * MiB
+
+
+def test_fsdax_raw_size_estimated_without_sysfs(sysroot):
+    ns = backend(FakeRunner(load("list_fsdax")), sysroot()).get(FSDAX_VOL)
+    assert ns.size == 512 * MiB
 
 
 def test_namespace_raw_size_estimated_without_sysfs(sysroot):
@@ -316,6 +360,9 @@ def test_namespace_raw_size_estimated_without_sysfs(sysroot):
 # ------------------------------------------------------------------------ create
 CREATE_ARGV = ["ndctl", "create-namespace", "--region=region1", "--mode=devdax", "--map=dev",
                "--size=268435456", "--align=2097152", "--name=pvc-5d4c3b2a19"]
+CREATE_FSDAX_ARGV = ["ndctl", "create-namespace", "--region=region1", "--mode=fsdax",
+                     "--map=dev", "--size=268435456", "--align=2097152",
+                     "--name=pvc-5d4c3b2a19"]
 
 
 def test_create_runs_exact_argv_and_parses_output(sysroot):
@@ -332,6 +379,51 @@ def test_create_runs_exact_argv_and_parses_output(sysroot):
     assert ns.align == 2 * MiB
     assert ns.device == "/dev/dax1.1"
     assert ns.handle == "namespace1.1"
+
+
+def test_create_fsdax_runs_exact_argv_and_parses_output(sysroot):
+    runner = FakeRunner(load("list_namespaces"), create=load("create_fsdax"))
+    b = backend(runner, sysroot("namespaces"))
+    ns = b.create("pvc-5d4c3b2a19", "region1", 256 * MiB, 2 * MiB, mode="fsdax")
+    assert runner.writes() == [CREATE_FSDAX_ARGV]
+    assert ns.mode == "fsdax" and ns.fs_dax
+    assert ns.device == "/dev/pmem1.1"
+    assert ns.handle == "namespace1.1"
+    assert (ns.pool, ns.numa_node) == ("region1", 1)
+    assert ns.size == 256 * MiB
+    assert ns.usable_size == devdax_usable(256 * MiB, 2 * MiB) == 250 * MiB
+    assert ns.align == 2 * MiB
+
+
+def test_create_defaults_to_devdax_and_rejects_unknown_modes(sysroot):
+    runner = FakeRunner(load("list_namespaces"), create=load("create_devdax"))
+    b = backend(runner, sysroot("namespaces"))
+    assert b.create("pvc-5d4c3b2a19", "region1", 256 * MiB, 2 * MiB).mode == "devdax"
+    for mode in ("sector", "raw", "FSDAX"):
+        with pytest.raises(InvalidArgument, match="unknown namespace mode"):
+            b.create("pvc-other", "region1", 256 * MiB, 2 * MiB, mode=mode)
+    assert runner.writes() == [CREATE_ARGV]
+
+
+def test_create_fsdax_output_of_the_wrong_mode_is_re_read(sysroot, caplog):
+    # ndctl printed something else (a devdax object): trust the listing, not the output.
+    after = with_namespace(load("list_namespaces"), "region1",
+                           dict(load("create_fsdax"), numa_node=1))
+    runner = FakeRunner(load("list_namespaces"), after, create=load("create_devdax"))
+    with caplog.at_level(logging.WARNING):
+        ns = backend(runner, sysroot("namespaces")).create(
+            "pvc-5d4c3b2a19", "region1", 256 * MiB, 2 * MiB, mode="fsdax")
+    assert (ns.mode, ns.device) == ("fsdax", "/dev/pmem1.1")
+    assert "unexpected create-namespace output" in caplog.text
+
+
+def test_create_name_taken_by_any_mode_is_already_exists(sysroot):
+    runner = FakeRunner(load("list_fsdax"), create=load("create_fsdax"))
+    b = backend(runner, sysroot("fsdax"))
+    for taken in (FSDAX_VOL, SECTOR_NAME):
+        with pytest.raises(AlreadyExists):
+            b.create(taken, "region1", 256 * MiB, 2 * MiB, mode="fsdax")
+    assert runner.writes() == []
 
 
 def test_create_uses_configured_ndctl_and_timeout(sysroot):
@@ -421,7 +513,8 @@ ENABLE = ("libndctl: ndctl_dax_enable: dax1.1: failed to enable\n"
                                "misaligned to 16M"]),
     (EXISTS, AlreadyExists, ["pvc-5d4c3b2a19", "File exists"]),
     (SIZE, InvalidArgument, ["interleave-width: 2", "region granularity 16Mi"]),
-    (ALIGN, InvalidArgument, ["does not support a devdax align of 2Mi", "unsupported align"]),
+    (ALIGN, InvalidArgument, ["does not support the 2Mi devdax align", "unsupported align",
+                                "1Gi pages"]),
     (NODAX, Unavailable, ["modprobe dax_pmem", "Kernel does not support devdax mode"]),
     (ENABLE, CommandError, ["dax_pmem", "dmesg"]),
     ("something nobody has seen\n", CommandError, ["something nobody has seen"]),
@@ -438,9 +531,54 @@ def test_create_failures_become_domain_errors(sysroot, stderr, exc, fragments):
     assert runner.writes() == [CREATE_ARGV]  # nothing was cleaned up: nothing was left
 
 
+# ndctl/namespace.c validate_namespace_options(): without a pfn seed, --align fails
+# first; without --align, do_setup_pfn() fails with "cannot support requested mode".
+NOFSDAX_ALIGN = ("  Error: Kernel does not support setting an alignment in fsdax mode\n\n"
+                 "failed to create namespace: Invalid argument\n")
+NOFSDAX_MODE = ("  Error: operation failed, region1 cannot support requested mode\n\n"
+                "failed to create namespace: Invalid argument\n")
+ENABLE_FSDAX = ("libndctl: ndctl_pfn_enable: pfn1.1: failed to enable\n"
+                "  Error: namespace1.1: failed to enable\n\n"
+                "failed to create namespace: No such device or address\n")
+
+
+@pytest.mark.parametrize(("stderr", "exc", "fragments", "absent"), [
+    (ENOSPC, ResourceExhausted, ["region1", "256Mi", "fsdax namespace"], ["devdax"]),
+    (NOFSDAX_ALIGN, Unavailable, ["nd_pmem", "CONFIG_FS_DAX", "ZONE_DEVICE",
+                                  "setting an alignment in fsdax mode"], ["dax_pmem"]),
+    (NOFSDAX_MODE, Unavailable, ["modprobe nd_pmem", "cannot support requested mode"],
+     ["device_dax"]),
+    (ALIGN, InvalidArgument, ["does not support the 2Mi fsdax align", "unsupported align"],
+     ["device-dax"]),
+    (ENABLE_FSDAX, CommandError, ["fsdax block device", "nd_pmem", "dmesg"], ["dax_pmem"]),
+    (MISALIGNED, Unavailable, ["not 16 MiB aligned"], []),
+])
+def test_create_fsdax_failures_name_the_mode(sysroot, stderr, exc, fragments, absent):
+    runner = FakeRunner(load("list_namespaces"), create=CommandError(CREATE_FSDAX_ARGV, 234,
+                                                                     stderr))
+    with pytest.raises(exc) as info:
+        backend(runner, sysroot("namespaces")).create(
+            "pvc-5d4c3b2a19", "region1", 256 * MiB, 2 * MiB, mode="fsdax")
+    assert type(info.value) is exc
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    for fragment in absent:
+        assert fragment not in str(info.value)
+    assert runner.writes() == [CREATE_FSDAX_ARGV]
+
+
+def test_create_fsdax_size_errors_name_the_fsdax_align(sysroot):
+    runner = FakeRunner(load("list_namespaces"), create=load("create_fsdax"))
+    with pytest.raises(InvalidArgument, match="fsdax align"):
+        backend(runner, sysroot("namespaces")).create(
+            "pvc-x", "region1", 256 * MiB, 3 * MiB, mode="fsdax")
+    assert runner.writes() == []
+
+
 @pytest.mark.parametrize(("stderr", "kind"), [
     (ENOSPC, "space"), (LABELLESS, "labelless"), (MISALIGNED, "misaligned"),
     (EXISTS, "exists"), (SIZE, "size"), (ALIGN, "align"), (NODAX, "nodax"),
+    (NOFSDAX_ALIGN, "nodax"), (NOFSDAX_MODE, "nodax"), (ENABLE_FSDAX, None),
     ("  Error: namespace0.0: read-only, re-configuration disabled\n", "readonly"),
     (ENABLE, None), ("", None),
 ])
@@ -495,6 +633,41 @@ def test_create_timeout_removes_a_partial_namespace(sysroot):
                                ["ndctl", "destroy-namespace", "namespace1.1", "--force"]]
 
 
+def test_create_fsdax_timeout_that_completed_returns_the_namespace(sysroot, caplog):
+    before = load("list_namespaces")
+    after = with_namespace(before, "region1", dict(load("create_fsdax"), numa_node=1))
+    runner = FakeRunner(before, after, create=CommandError(CREATE_FSDAX_ARGV, None, ""))
+    b = backend(runner, sysroot("namespaces"))
+    with caplog.at_level(logging.WARNING):
+        ns = b.create("pvc-5d4c3b2a19", "region1", 256 * MiB, 2 * MiB, mode="fsdax")
+    assert (ns.mode, ns.device, ns.usable_size) == ("fsdax", "/dev/pmem1.1", 250 * MiB)
+    assert runner.writes() == [CREATE_FSDAX_ARGV]
+    assert "namespace is complete" in caplog.text
+
+
+@pytest.mark.parametrize(("left", "disable"), [
+    # Killed after the pfn device claimed the namespace, before it was enabled: the
+    # namespace is fsdax but idle, without size or blockdev.
+    ({"dev": "namespace1.1", "mode": "fsdax", "map": "dev",
+      "uuid": "9a1c3e5f-7b2d-4f60-8e4a-c6b8d0f2a413", "sector_size": 512,
+      "align": 2097152, "state": "disabled", "name": "pvc-5d4c3b2a19"}, False),
+    # An enabled namespace, but not of the requested mode: not what was asked for.
+    (dict(load("create_devdax"), numa_node=1), True),
+])
+def test_create_fsdax_timeout_removes_what_is_not_a_complete_fsdax_namespace(
+        sysroot, left, disable):
+    before = load("list_namespaces")
+    after = with_namespace(before, "region1", left)
+    runner = FakeRunner(before, after, before, create=CommandError(CREATE_FSDAX_ARGV, None, ""))
+    with pytest.raises(CommandError, match="timed out"):
+        backend(runner, sysroot("namespaces")).create(
+            "pvc-5d4c3b2a19", "region1", 256 * MiB, 2 * MiB, mode="fsdax")
+    cleanup = [["ndctl", "destroy-namespace", "namespace1.1", "--force"]]
+    if disable:
+        cleanup.insert(0, ["ndctl", "disable-namespace", "namespace1.1"])
+    assert runner.writes() == [CREATE_FSDAX_ARGV, *cleanup]
+
+
 # ----------------------------------------------------------------------- destroy
 def destroyed(listing: dict, handle: str) -> dict:
     """The listing after ndctl destroyed ``handle``: a size-0 raw seed without a name."""
@@ -531,13 +704,39 @@ def test_destroy_missing_name_is_ok_and_touches_nothing(sysroot):
     assert runner.calls == [LIST_ARGV]
 
 
-def test_destroy_never_touches_unnamed_or_foreign_namespaces(sysroot):
-    runner = FakeRunner(load("list_namespaces"))
-    b = backend(runner, sysroot("namespaces"))
+def test_destroy_never_touches_unnamed_or_sector_namespaces(sysroot):
+    runner = FakeRunner(load("list_fsdax"))
+    b = backend(runner, sysroot("fsdax"))
     with pytest.raises(InvalidArgument):
         b.destroy("")
-    b.destroy("scratch")  # a named fsdax namespace: someone else's
+    b.destroy(SECTOR_NAME)  # a BTT namespace carrying a volume id: never ours
     assert runner.writes() == []
+
+
+def test_destroy_of_a_named_fsdax_namespace(sysroot):
+    before = load("list_fsdax")
+    runner = FakeRunner(before, destroyed(before, "namespace0.1"))
+    backend(runner, sysroot("fsdax")).destroy(FSDAX_VOL)
+    assert runner.writes() == [["ndctl", "disable-namespace", "namespace0.1"],
+                               ["ndctl", "destroy-namespace", "namespace0.1", "--force"]]
+
+
+def test_destroy_of_a_disabled_fsdax_namespace_skips_disable(sysroot):
+    before = load("list_fsdax")
+    runner = FakeRunner(before, destroyed(before, "namespace1.0"))
+    backend(runner, sysroot("fsdax")).destroy(IDLE_FSDAX_VOL)
+    assert runner.writes() == [["ndctl", "destroy-namespace", "namespace1.0", "--force"]]
+
+
+def test_destroy_of_a_mounted_fsdax_namespace_reports_busy(sysroot):
+    runner = FakeRunner(load("list_fsdax"))
+    runner.fail["disable-namespace"] = CommandError(
+        ["ndctl", "disable-namespace", "namespace0.1"], 1,
+        "libndctl: ndctl_namespace_disable_safe: namespace0.1: active mount(s)\n"
+        "error disabling namespaces: Device or resource busy\n")
+    with pytest.raises(CommandError, match="busy"):
+        backend(runner, sysroot("fsdax")).destroy(FSDAX_VOL)
+    assert runner.writes() == [["ndctl", "disable-namespace", "namespace0.1"]]
 
 
 def test_destroy_that_leaves_the_namespace_is_an_error(sysroot):
@@ -591,6 +790,23 @@ def test_open_device_errors(sysroot, tmp_path):
     missing = type(ns)(**{**ns.to_dict(), "device": str(tmp_path / "nope")})
     with pytest.raises(NotFound):
         b.open_device(missing, readonly=False)
+
+
+def test_open_device_of_fsdax_namespaces(sysroot, tmp_path):
+    b = backend(FakeRunner(load("list_fsdax")), sysroot("fsdax"))
+    with pytest.raises(Unavailable, match=r"no block device; .*enable-namespace namespace1\.0"):
+        b.open_device(b.get(IDLE_FSDAX_VOL), readonly=True)
+    with pytest.raises(Unavailable, match="no dax device"):
+        b.open_device(type(b.get(DEVDAX_VOL))(**{**b.get(DEVDAX_VOL).to_dict(), "device": ""}),
+                      readonly=True)
+    device = tmp_path / "pmem0.1"  # stands in for the block device node
+    device.write_bytes(b"\0" * 4096)
+    ns = b.get(FSDAX_VOL)
+    fd = b.open_device(type(ns)(**{**ns.to_dict(), "device": str(device)}), readonly=True)
+    try:
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------- udev watcher

@@ -22,9 +22,18 @@ def test_explicit_values():
     assert p.co_labels == {"csi.storage.k8s.io/pvc/name": "claim"}
 
 
+def test_fsdax():
+    p = parse({"deviceMode": "fsdax", "numaNode": "0", "eraseOnDelete": "false"})
+    assert (p.device_mode, p.numa_node, p.align, p.erase_on_delete) == ("fsdax", 0, 2 * MiB,
+                                                                      False)
+    assert p.to_dict()["deviceMode"] == "fsdax"
+
+
 @pytest.mark.parametrize("params,needle", [
     ({"numa": "0"}, "valid parameters are deviceMode, numaNode, align, eraseOnDelete"),
-    ({"deviceMode": "fsdax"}, "not supported"),
+    ({"deviceMode": "fsdax", "align": "2Mi"}, "apply to deviceMode devdax only"),
+    ({"deviceMode": "fsdax", "align": "1Gi"}, "fsdax volumes always use the 2Mi"),
+    ({"deviceMode": "FSDAX"}, "valid values: devdax"),
     ({"deviceMode": "raw"}, "deviceMode"),
     ({"numaNode": "-1"}, "non-negative integer"),
     ({"numaNode": "one"}, "non-negative integer"),

@@ -9,13 +9,18 @@ Contract:
 - ``pools()`` lists every region, usable or not; unusable ones say why in ``problem``.
 - ``namespaces()`` lists the namespaces that carry a name (the driver's volume ids are
   names); nameless ones are not ours and are never touched.
-- ``create(name, pool, size, align)`` makes a devdax namespace of exactly ``size`` raw
-  bytes (already a multiple of ``pool.align`` and ``align``); raises
+- ``create(name, pool, size, align, mode)`` makes a namespace of exactly ``size`` raw
+  bytes (already a multiple of ``pool.align`` and ``align``) in ``mode``: ``devdax``
+  (a character device, ``/dev/daxX.Y``) or ``fsdax`` (a block device, ``/dev/pmemX.Y``,
+  whose usable size follows the same struct-page arithmetic); raises
   :class:`ResourceExhausted` when it does not fit and :class:`AlreadyExists` when the
   name is taken. It is called under the driver's node-wide lock.
 - ``destroy(name)`` removes it; a missing name is not an error.
 - ``open_device(ns, readonly)`` returns a new fd that maps the usable bytes from
   offset 0 (O_RDONLY when ``readonly``); the caller owns and closes it.
+- ``Namespace.fs_dax`` says whether a file system on an fsdax namespace can be mounted
+  with ``-o dax`` (true on real pmem; false for the emulated loop devices, which are
+  plain block devices).
 - ``probe()`` says whether the back end can serve (False with a reason otherwise).
 """
 
@@ -45,7 +50,7 @@ class Pool:
 
 @dataclass(frozen=True)
 class Namespace:
-    """A devdax namespace (one per volume)."""
+    """A namespace (one per volume): devdax or fsdax."""
 
     name: str
     pool: str
@@ -55,6 +60,8 @@ class Namespace:
     align: int
     device: str
     handle: str = ""
+    mode: str = "devdax"
+    fs_dax: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,7 +85,8 @@ class Backend(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def create(self, name: str, pool: str, size: int, align: int) -> Namespace: ...
+    def create(self, name: str, pool: str, size: int, align: int,
+               mode: str = "devdax") -> Namespace: ...
 
     @abc.abstractmethod
     def destroy(self, name: str) -> None: ...

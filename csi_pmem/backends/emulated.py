@@ -11,7 +11,14 @@ and capacity add up the same way.
 
 ``device_type="loop"`` additionally attaches each file to a loop device and hands out
 the loop device: a real device node, so device-cgroup rules apply to it exactly as to
-``/dev/daxX.Y`` (used by the fd-passing tests; the fsdax emulation builds on it).
+``/dev/daxX.Y`` (used by the fd-passing tests).
+
+fsdax namespaces (``<volume id>~<align>.fsdax``) are always attached to a loop device,
+limited to the usable size: a real block device, so kubelet's raw-block path (its own
+loop attach, the device cgroup) and mkfs/mount run exactly as on ``/dev/pmemX.Y``. A
+loop device has no DAX, so ``Namespace.fs_dax`` is False and file systems on it are
+mounted without ``-o dax``; the DAX mount itself is exercised on real libnvdimm in the
+VM tier.
 """
 
 from __future__ import annotations
@@ -26,16 +33,19 @@ from csi_pmem.backends.base import Backend, Namespace, Pool
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
+    CommandError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unavailable,
 )
 from csi_pmem.sizes import REGION_ALIGN, devdax_usable, parse_quantity, round_down
 
 log = logging.getLogger(__name__)
 
 LABEL_SLOTS_PER_REGION = 510  # what one NVDIMM's label area holds (DESIGN.md 1.4)
-SUFFIX = ".dax"
+SUFFIXES = {".dax": "devdax", ".fsdax": "fsdax"}
+SUFFIX_FOR = {mode: suffix for suffix, mode in SUFFIXES.items()}
 
 
 def parse_regions(spec: str) -> dict[int, int]:
@@ -78,7 +88,7 @@ class EmulatedBackend(Backend):
         return self.root / pool
 
     def _files(self, pool: str) -> list[Path]:
-        return sorted(self._dir(pool).glob(f"*{SUFFIX}"))
+        return sorted(p for p in self._dir(pool).iterdir() if p.suffix in SUFFIXES)
 
     def _sized_files(self, pool: str) -> list[tuple[Path, int]]:
         """Backing files with their sizes, skipping any destroyed since the listing.
@@ -95,12 +105,13 @@ class EmulatedBackend(Backend):
         return sized
 
     @staticmethod
-    def _parse_file(path: Path) -> tuple[str, int] | None:
-        stem = path.name[: -len(SUFFIX)]
-        name, sep, align = stem.rpartition("~")
-        if not sep or not align.isdecimal() or not name:
+    def _parse_file(path: Path) -> tuple[str, int, str] | None:
+        """(name, align, mode) from ``<name>~<align><suffix>``; None for other files."""
+        mode = SUFFIXES.get(path.suffix)
+        name, sep, align = path.stem.rpartition("~")
+        if mode is None or not sep or not align.isdecimal() or not name:
             return None
-        return name, int(align)
+        return name, int(align), mode
 
     # -- Backend ------------------------------------------------------------------
     def pools(self) -> list[Pool]:
@@ -119,7 +130,7 @@ class EmulatedBackend(Backend):
         return pools
 
     def namespaces(self) -> list[Namespace]:
-        loops = self._loop_map() if self.device_type == "loop" else {}
+        loops = self._loop_map() if self._has_loops() else {}
         result = []
         for node in self.regions:
             pool = f"region{node}"
@@ -127,24 +138,31 @@ class EmulatedBackend(Backend):
                 parsed = self._parse_file(path)
                 if parsed is None:
                     continue
-                name, align = parsed
+                name, align, mode = parsed
+                usable = devdax_usable(size, align)
                 device = str(path)
-                if self.device_type == "loop":
-                    device = loops.get(str(path)) or self._attach(path)
+                if self._uses_loop(mode):
+                    device = loops.get(str(path)) or self._attach(path, mode, usable)
                 result.append(Namespace(name=name, pool=pool, numa_node=node, size=size,
-                                        usable_size=devdax_usable(size, align), align=align,
-                                        device=device, handle=str(path)))
+                                        usable_size=usable, align=align, device=device,
+                                        handle=str(path), mode=mode, fs_dax=False))
         return result
 
-    def create(self, name: str, pool: str, size: int, align: int) -> Namespace:
+    def _uses_loop(self, mode: str) -> bool:
+        return mode == "fsdax" or self.device_type == "loop"
+
+    def create(self, name: str, pool: str, size: int, align: int,
+               mode: str = "devdax") -> Namespace:
         node = self._node(pool)
+        if mode not in SUFFIX_FOR:
+            raise InvalidArgument(f"unknown namespace mode {mode!r}: devdax or fsdax")
         if self.get(name) is not None:
             raise AlreadyExists(f"a namespace named {name} already exists")
         free = next(p.free for p in self.pools() if p.name == pool)
         if size > free:
             raise ResourceExhausted(
                 f"{pool} (NUMA node {node}) has {free} bytes free, {size} needed")
-        path = self._dir(pool) / f"{name}~{align}{SUFFIX}"
+        path = self._dir(pool) / f"{name}~{align}{SUFFIX_FOR[mode]}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
@@ -156,7 +174,11 @@ class EmulatedBackend(Backend):
                 f"({exc.strerror}); emulated regions promise more than it holds") from exc
         os.fsync(fd)
         os.close(fd)
-        ns = self.get(name)
+        try:
+            ns = self.get(name)  # attaches the loop device of an fsdax namespace
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         if ns is None:  # pragma: no cover - the file was just created
             raise BackendError(f"namespace {name} vanished right after creation")
         return ns
@@ -165,7 +187,7 @@ class EmulatedBackend(Backend):
         ns = self.get(name)
         if ns is None:
             return
-        if self.device_type == "loop":
+        if self._uses_loop(ns.mode):
             self._detach(ns.handle)
         Path(ns.handle).unlink(missing_ok=True)
 
@@ -193,12 +215,28 @@ class EmulatedBackend(Backend):
         return {d["back-file"].removesuffix(" (deleted)"): d["name"] for d in devices
                 if d.get("back-file")}
 
-    def _attach(self, path: Path) -> str:
+    def _has_loops(self) -> bool:
+        """Whether any namespace may sit on a loop device (skip losetup otherwise)."""
+        return self.device_type == "loop" or any(
+            p.suffix == SUFFIX_FOR["fsdax"] for node in self.regions
+            for p in self._files(f"region{node}"))
+
+    def _attach(self, path: Path, mode: str, usable: int) -> str:
+        """Attach ``path`` to a free loop device; an fsdax one ends at the usable size."""
+        argv = ["losetup", "--find", "--show"]
+        if mode == "fsdax":
+            argv += ["--sizelimit", str(usable)]
         with self._lock:
             existing = self._loop_map().get(str(path))
             if existing:
                 return existing
-            res = runner.run(["losetup", "--find", "--show", str(path)], timeout=30)
+            try:
+                res = runner.run([*argv, str(path)], timeout=30)
+            except CommandError as exc:
+                raise Unavailable(
+                    f"cannot attach {path} to a loop device ({exc.stderr.strip() or exc}): "
+                    "the emulated back end needs loop devices (/dev/loop-control) for "
+                    "fsdax volumes; run the driver with access to the host's /dev") from exc
             device = res.stdout.strip()
             log.info("attached %s to %s", path, device)
             return device

@@ -1,7 +1,7 @@
-"""The real back end: devdax namespaces on NVDIMM regions, carved with ``ndctl``.
+"""The real back end: devdax and fsdax namespaces on NVDIMM regions, carved with ``ndctl``.
 
-Why: this is the production path. Each volume is one labelled devdax namespace whose
-alt-name is the volume id, so the label area is the durable record of which namespace
+Why: this is the production path. Each volume is one labelled devdax or fsdax namespace
+whose alt-name is the volume id, so the label area is the durable record of which namespace
 belongs to which volume (DESIGN.md 1.4, 2.3). Everything goes through ``ndctl`` with
 JSON output (argv lists, timeouts, ``LC_ALL=C``: :mod:`csi_pmem.runner`); sysfs under
 ``/sys/bus/nd/devices`` is read only for facts ``ndctl list`` does not print.
@@ -15,11 +15,15 @@ What ``ndctl list`` prints (ndctl ``ndctl/list.c`` ``region_to_json``,
   with ``--dimms``), ``state: "disabled"`` (only with ``--idle``),
   ``persistence_domain``. No physical start address.
 - ``--namespaces`` nested in each region: ``dev``, ``mode``, ``map``, ``size`` (for
-  devdax this is the *usable* size of the dax device, not the raw namespace size),
-  ``uuid``, ``daxregion`` (with ``--verbose``/``-X``; its ``devices[].chardev`` is the
-  ``daxX.Y`` node) or ``chardev``, ``align``, ``name`` (the alt-name, only when set),
-  ``numa_node`` (verbose), ``state: "disabled"`` (idle namespaces, including size-0
-  seeds and destroyed namespaces).
+  devdax the *usable* size of the dax device, for fsdax that of the pfn device, i.e. of
+  the block device; never the raw namespace size; absent while disabled), ``uuid``,
+  ``daxregion`` (devdax, with ``--verbose``/``-X``; its ``devices[].chardev`` is the
+  ``daxX.Y`` node) or ``chardev``, ``sector_size`` (all but devdax), ``align`` (devdax
+  and fsdax), ``blockdev`` (fsdax ``pmemX.Y``, sector ``pmemX.Ys``, raw; only while
+  enabled), ``name`` (the alt-name, only when set), ``numa_node`` (verbose),
+  ``state: "disabled"`` (idle namespaces, including size-0 seeds and destroyed
+  namespaces). ``create-namespace`` prints the same object for the new namespace,
+  without the verbose fields.
 - With both ``--regions`` and ``--dimms`` the output is one object
   ``{"dimms": [...], "regions": [...]}``; with one class it is an array; with nothing
   to show it is empty.
@@ -72,13 +76,18 @@ log = logging.getLogger(__name__)
 # (``check_dax_align()`` in ndctl/namespace.c, hard-coded SZ_16M, not the region align).
 NDCTL_START_ALIGN = 16 * MiB
 DEFAULT_DEVDAX_ALIGN = 2 * MiB
+# ndctl's fallback when the pfn seed has no align attribute (validate_namespace_options()).
+DEFAULT_FSDAX_ALIGN = 2 * MiB
 # include/uapi/linux/ndctl.h: the region's ``nstype`` sysfs attribute.
 ND_DEVICE_NAMESPACE_IO = 4     # label-less ("legacy") pmem: one namespace per region
 ND_DEVICE_NAMESPACE_PMEM = 5   # labelled pmem: sub-dividable
 MAX_NAME_LEN = 63              # alt-name buffer is 64 bytes including the NUL
-# Modes a namespace of ours can have: devdax, or raw while a create was cut short.
-# A named fsdax/sector namespace was made by someone else and is never destroyed.
-OUR_MODES = ("devdax", "raw")
+# Modes a volume can have (the ``mode`` of create()).
+VOLUME_MODES = ("devdax", "fsdax")
+# Modes a namespace named with one of our volume ids can have: a volume mode, or raw
+# while a create was cut short. Sector (BTT) namespaces are never ours, whatever their
+# name: the driver never makes one, so one carrying our id is someone else's mistake.
+OUR_MODES = (*VOLUME_MODES, "raw")
 # A problem learned from a failed create is kept this long, then sysfs/ndctl evidence
 # is trusted again (an administrator may have fixed the region meanwhile).
 LEARNED_PROBLEM_TTL = 300.0
@@ -121,6 +130,16 @@ def no_devdax_problem(region: str) -> str:
     return (f"{region} offers no device-dax instance (dax_seed is empty): the kernel lacks "
             "CONFIG_NVDIMM_DAX / the dax_pmem and device_dax modules; load them with "
             "'modprobe dax_pmem device_dax'")
+
+
+def no_fsdax_problem(region: str) -> str:
+    return (f"{region} offers no fsdax (pfn) instance: the kernel lacks CONFIG_NVDIMM_PFN "
+            "(which needs CONFIG_ZONE_DEVICE) or CONFIG_FS_DAX, or the nd_pmem module is "
+            "not loaded; load it with 'modprobe nd_pmem'")
+
+
+def no_mode_problem(region: str, mode: str) -> str:
+    return no_fsdax_problem(region) if mode == "fsdax" else no_devdax_problem(region)
 
 
 # ---------------------------------------------------------------------------- sysfs
@@ -227,6 +246,21 @@ def _disabled(obj: dict[str, Any]) -> bool:
     return obj.get("state") == "disabled"
 
 
+def _device_name(ns: dict[str, Any]) -> str:
+    """The node under /dev of an enabled namespace ("" while it has none).
+
+    devdax namespaces get a character device (``daxX.Y``), fsdax ones a block device
+    (``pmemX.Y``, ndctl's ``blockdev``); neither exists while the namespace is disabled.
+    """
+    if ns.get("mode") == "fsdax":
+        return str(ns.get("blockdev") or "")
+    return str(_dax_device(ns).get("chardev") or "")
+
+
+def _device_kind(mode: str) -> str:
+    return "block device" if mode == "fsdax" else "dax device"
+
+
 def _dax_device(ns: dict[str, Any]) -> dict[str, Any]:
     """The namespace's dax device entry (chardev, size, align) if ndctl printed one."""
     devices = (ns.get("daxregion") or {}).get("devices") or []
@@ -249,6 +283,9 @@ _FAILURES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("size", (r"must align to interleave-width|align setting is .* is misaligned"
                   r"|must be >= 16MiB|alt name overflow")),
         ("align", r"unsupported align"),
+        # devdax: "Kernel does not support devdax mode" (no dax seed); fsdax without a
+        # pfn seed: "Kernel does not support setting an alignment in fsdax mode" (we
+        # always pass --align) or "<region> cannot support requested mode".
         ("nodax", r"Kernel does not support .*mode|cannot support requested mode"),
         ("readonly", r"read-only"),
     ))
@@ -261,7 +298,7 @@ def classify(stderr: str) -> str | None:
 
 # -------------------------------------------------------------------- the backend
 class NdctlBackend(Backend):
-    """Devdax namespaces on real NVDIMM regions (see the module docstring)."""
+    """Devdax and fsdax namespaces on real NVDIMM regions (see the module docstring)."""
 
     kind = "ndctl"
     zeroes_new_namespaces = False  # old data may be there: the driver erases new volumes
@@ -319,7 +356,7 @@ class NdctlBackend(Backend):
         for region in self._pmem_regions(listing):
             pool = self._pool(region, listing)
             for ns in region.get("namespaces") or []:
-                if ns.get("mode") == "devdax" and ns.get("name") and _configured(ns):
+                if ns.get("mode") in VOLUME_MODES and ns.get("name") and _configured(ns):
                     out.append(self._namespace(ns, pool))
         return out
 
@@ -475,12 +512,19 @@ class NdctlBackend(Backend):
 
     # -- namespaces -----------------------------------------------------------------
     def _namespace(self, ns: dict[str, Any], pool: Pool, raw_size: int | None = None) -> Namespace:
-        dax = _dax_device(ns)
-        align = _int(ns.get("align")) or _int(dax.get("align")) or \
-            _int((ns.get("daxregion") or {}).get("align")) or DEFAULT_DEVDAX_ALIGN
-        usable = _int(dax.get("size")) or _int(ns.get("size"))
+        mode = str(ns.get("mode") or "raw")
+        if mode == "fsdax":
+            # The pfn device's size and align: the block device's capacity.
+            align = _int(ns.get("align")) or DEFAULT_FSDAX_ALIGN
+            usable = _int(ns.get("size"))
+        else:
+            dax = _dax_device(ns)
+            align = _int(ns.get("align")) or _int(dax.get("align")) or \
+                _int((ns.get("daxregion") or {}).get("align")) or DEFAULT_DEVDAX_ALIGN
+            usable = _int(dax.get("size")) or _int(ns.get("size"))
         handle = str(ns.get("dev", ""))
         node = ns.get("numa_node")
+        device = _device_name(ns)
         return Namespace(
             name=str(ns["name"]),
             pool=pool.name,
@@ -488,13 +532,17 @@ class NdctlBackend(Backend):
             size=self._raw_size(handle, usable, align, pool, raw_size),
             usable_size=usable,
             align=align,
-            device=f"/dev/{dax['chardev']}" if dax.get("chardev") else "",
+            device=f"/dev/{device}" if device else "",
             handle=handle,
+            mode=mode,
+            # Real pmem: an fsdax pfn device holds struct pages (map=dev), so the pmem
+            # driver marks the block device DAX-capable and "mount -o dax" works on it.
+            fs_dax=True,
         )
 
     def _raw_size(self, handle: str, usable: int, align: int, pool: Pool,
                   known: int | None = None) -> int:
-        """The raw namespace size; ndctl prints only the dax device's usable size.
+        """The raw namespace size; ndctl prints only the device's usable size.
 
         sysfs ``namespaceX.Y/size`` has it. Without sysfs, use what was requested
         (``known``, right after a create) or invert the sizing the driver used to create
@@ -512,31 +560,42 @@ class NdctlBackend(Backend):
         return estimate
 
     # -- create ---------------------------------------------------------------------
-    def create(self, name: str, pool: str, size: int, align: int) -> Namespace:
+    def create(self, name: str, pool: str, size: int, align: int,
+               mode: str = "devdax") -> Namespace:
+        """Carve a ``mode`` namespace; both modes keep their struct pages on the device.
+
+        ``--map=dev`` for fsdax too: with ``map=mem`` the struct pages would come out of
+        system RAM (64 bytes per 4 KiB page), which the volume's size would not account
+        for.
+        """
         _check_name(name)
+        if mode not in VOLUME_MODES:
+            raise InvalidArgument(f"unknown namespace mode {mode!r}: use one of "
+                                  f"{', '.join(VOLUME_MODES)}")
         if size <= 0 or align <= 0 or size % align:
             raise InvalidArgument(f"namespace size {size} must be a positive multiple of the "
-                                  f"devdax align {align}")
+                                  f"{mode} align {align}")
         listing = self._list()
         taken = listing.named(name)
         if taken:
             region, ns = taken[0]
             raise AlreadyExists(f"a namespace named {name} already exists "
                                 f"({ns.get('dev')} on {region.get('dev')})")
-        target = self._usable_pool(listing, pool, size, align)
-        argv = [self._ndctl, "create-namespace", f"--region={pool}", "--mode=devdax",
+        target = self._usable_pool(listing, pool, size, align, mode)
+        argv = [self._ndctl, "create-namespace", f"--region={pool}", f"--mode={mode}",
                 "--map=dev", f"--size={size}", f"--align={align}", f"--name={name}"]
         self.invalidate()
         try:
             out = self._runner.run_json(argv, timeout=self._timeout)
         except CommandError as e:
-            recovered = self._after_failed_create(e, name, target)
+            recovered = self._after_failed_create(e, name, target, mode)
             if recovered is not None:
                 return recovered
-            raise self._translate(e, target, size, align, name) from e
-        return self._created(out, name, target, size, align)
+            raise self._translate(e, target, size, align, name, mode) from e
+        return self._created(out, name, target, size, align, mode)
 
-    def _usable_pool(self, listing: _Listing, pool: str, size: int, align: int) -> Pool:
+    def _usable_pool(self, listing: _Listing, pool: str, size: int, align: int,
+                     mode: str) -> Pool:
         region = listing.region(pool)
         if region is None or region.get("type", "pmem") != "pmem":
             raise Unavailable(f"pmem region {pool} is not present on this node")
@@ -547,14 +606,15 @@ class NdctlBackend(Backend):
         if size % target.align or size % (align * ways):
             raise InvalidArgument(
                 f"namespace size {size} on {pool} must be a multiple of "
-                f"{format_bytes(target.align)} and of the {format_bytes(align)} devdax align "
+                f"{format_bytes(target.align)} and of the {format_bytes(align)} {mode} align "
                 f"times the {ways} interleave ways")
         return target
 
-    def _created(self, out: Any, name: str, pool: Pool, size: int, align: int) -> Namespace:
+    def _created(self, out: Any, name: str, pool: Pool, size: int, align: int,
+                 mode: str) -> Namespace:
         if isinstance(out, list):  # not what create-namespace prints, but harmless
             out = out[0] if out else {}
-        if not isinstance(out, dict) or out.get("mode") != "devdax" or not _dax_device(out):
+        if not isinstance(out, dict) or out.get("mode") != mode or not _device_name(out):
             log.warning("unexpected create-namespace output for %s: %r; re-reading", name, out)
             ns = self.get(name)
             if ns is None:
@@ -574,18 +634,20 @@ class NdctlBackend(Backend):
                         "(size %d, align %d); reporting the kernel's value",
                         ns.handle, ns.usable_size, expected, size, align)
         if ns.align != align:
-            log.warning("%s: devdax align is %d, requested %d", ns.handle, ns.align, align)
+            log.warning("%s: %s align is %d, requested %d", ns.handle, mode, ns.align, align)
         log.info("created %s (%s, %s usable) on %s as %s", name, format_bytes(size),
                  format_bytes(ns.usable_size), pool.name, ns.device)
         return ns
 
-    def _after_failed_create(self, err: CommandError, name: str, pool: Pool) -> Namespace | None:
+    def _after_failed_create(self, err: CommandError, name: str, pool: Pool,
+                             mode: str) -> Namespace | None:
         """After an unexplained failure (timeout, kill), see what the kernel holds.
 
         ndctl cleans up after the failures it recognises (--autorecover is the
-        default), but not if it was killed half-way. A complete devdax namespace with
-        our name means the create did finish; anything else with our name is a partial
-        one and is removed, since the name proves it is ours and it was never handed out.
+        default), but not if it was killed half-way. A complete namespace of the
+        requested mode with our name (enabled, with its dax or block device) means the
+        create did finish; anything else with our name is a partial one and is removed,
+        since the name proves it is ours and it was never handed out.
         """
         if classify(err.stderr) is not None:
             return None
@@ -596,7 +658,7 @@ class NdctlBackend(Backend):
             return None
         found = listing.named(name, OUR_MODES)
         done = [(r, ns) for r, ns in found
-                if ns.get("mode") == "devdax" and not _disabled(ns) and _dax_device(ns)]
+                if ns.get("mode") == mode and not _disabled(ns) and _device_name(ns)]
         if len(found) == 1 and done:
             log.warning("create of %s reported failure (%s) but the namespace is complete",
                         name, err)
@@ -611,7 +673,7 @@ class NdctlBackend(Backend):
         return None
 
     def _translate(self, err: CommandError, pool: Pool, size: int, align: int,
-                   name: str) -> CsiPmemError:
+                   name: str, mode: str = "devdax") -> CsiPmemError:
         """Turn an ndctl failure into the domain error a user can act on."""
         kind = classify(err.stderr)
         said = _last_line(err.stderr)
@@ -627,34 +689,39 @@ class NdctlBackend(Backend):
         if kind == "space":
             return ResourceExhausted(
                 f"{pool.name} (NUMA node {pool.numa_node}) has no free extent of "
-                f"{format_bytes(size)} for a devdax namespace (ndctl: {said}); free "
+                f"{format_bytes(size)} for a {mode} namespace (ndctl: {said}); free "
                 "space may be fragmented: use a smaller volume or another node")
         if kind == "size":
             return InvalidArgument(
                 f"ndctl rejected a namespace of {size} bytes with align {format_bytes(align)} "
                 f"on {pool.name} (region granularity {format_bytes(pool.align)}): {said}")
         if kind == "align":
+            hint = "use 2Mi" + (", or enable 1Gi pages for device-dax"
+                                if mode == "devdax" else "")
             return InvalidArgument(
-                f"{pool.name} does not support a devdax align of {format_bytes(align)} "
-                f"(ndctl: {said}); use 2Mi, or enable 1Gi pages for device-dax")
+                f"{pool.name} does not support the {format_bytes(align)} {mode} align "
+                f"(ndctl: {said}); {hint}")
         if kind == "nodax":
-            return Unavailable(no_devdax_problem(pool.name) + f" (ndctl: {said})")
+            return Unavailable(no_mode_problem(pool.name, mode) + f" (ndctl: {said})")
         if kind == "readonly":
             return Unavailable(readonly_problem(pool.name))
         if "failed to enable" in err.stderr:
+            modules = "nd_pmem module is" if mode == "fsdax" else \
+                "dax_pmem and device_dax modules are"
             return CommandError(err.argv, err.returncode, err.stderr, message=(
-                f"could not enable the devdax device (exit {err.returncode}); check dmesg "
-                "and that the dax_pmem and device_dax modules are loaded"))
+                f"could not enable the {mode} {_device_kind(mode)} (exit {err.returncode}); "
+                f"check dmesg and that the {modules} loaded"))
         return err
 
     # -- destroy --------------------------------------------------------------------
     def destroy(self, name: str) -> None:
-        """Remove every configured devdax or raw namespace named ``name``; none is fine.
+        """Remove every configured devdax, fsdax or raw namespace named ``name``; none is fine.
 
-        Raw counts too: a create killed half-way can leave a raw namespace that already
-        carries the name. Namespaces without a name are never touched, nor named
-        fsdax/sector ones: the exact name on a devdax/raw namespace is the proof of
-        ownership.
+        The driver calls this only with its own volume ids, and the exact id on a
+        devdax/fsdax/raw namespace is the proof of ownership. Raw counts too: a create
+        killed half-way can leave a raw namespace that already carries the name.
+        Namespaces without a name are never touched, nor sector (BTT) ones, which this
+        driver never makes.
         """
         if not name:
             raise InvalidArgument("refusing to destroy a namespace without a name")
@@ -696,8 +763,9 @@ class NdctlBackend(Backend):
     # -- devices --------------------------------------------------------------------
     def open_device(self, ns: Namespace, readonly: bool) -> int:
         if not ns.device:
-            raise Unavailable(f"namespace {ns.name} ({ns.handle}) has no dax device; is it "
-                              f"disabled? try 'ndctl enable-namespace {ns.handle}'")
+            raise Unavailable(f"namespace {ns.name} ({ns.handle}) has no "
+                              f"{_device_kind(ns.mode)}; is it disabled? try "
+                              f"'ndctl enable-namespace {ns.handle}'")
         flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
         try:
             return os.open(ns.device, flags)

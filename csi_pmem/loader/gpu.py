@@ -8,8 +8,16 @@ Why two paths (DESIGN.md 1.3):
   with CUDA once; copies then run at link speed with no CPU work. Registration costs
   0.03-0.1 s/GiB, so it is chosen when a mapping is loaded from again: ``mode="auto"``
   registers on the ``auto_register_after``-th load of the same open :class:`Volume`
-  through this loader (or call :meth:`GpuLoader.register` ahead of time). A refused
-  registration is logged as a warning and the load uses bounce buffers, never silently.
+  through this loader (or call :meth:`GpuLoader.register` ahead of time).
+
+Never registered, whatever the mode: a volume whose ``registration_refused_reason`` is
+set when it is opened (:func:`.volume.registration_refusal`: a file on a file system
+mounted ``-o dax``, where the kernel refuses the long-term pins, or a block device,
+whose mapping is page cache). Those loads go straight to bounce buffers, say why once
+per mapping in the log and in :attr:`GpuLoader.registration_refused_reason`. A
+registration that fails anyway (``cudaHostRegister`` returns an error or raises) does
+not fail the load: one warning, the load and later loads of that mapping use bounce
+buffers (in ``mode="auto"`` the loader stops registering altogether).
 
 Device placement: one device buffer per file, tensors are views into it (see
 :func:`.plan.place`), so a whole-file load is a stream of large transfers.
@@ -144,6 +152,28 @@ class FileTarget:
         return self.tensors[name]
 
 
+def choose_path(mode: str, volume: Volume, loads: int, registered: bool,
+                auto_register_after: int | None, refused: str | None = None
+                ) -> tuple[str, str | None]:
+    """The path of the ``loads``-th load of ``volume``'s mapping (counting this one),
+    and why it cannot be the registered one (None when it could).
+
+    ``registered``: pieces of the mapping are registered already; ``refused``: an
+    earlier registration of this mapping failed. A volume carrying
+    ``registration_refused_reason`` (fsdax file, block device) takes bounce buffers
+    in every mode, also ``"registered"``.
+    """
+    reason = volume.registration_refused_reason or refused
+    if reason is not None:
+        return BOUNCE, reason
+    if mode == BOUNCE:
+        return BOUNCE, None
+    if mode == REGISTERED or registered or (
+            auto_register_after is not None and loads >= auto_register_after):
+        return REGISTERED, None
+    return BOUNCE, None
+
+
 def load_bytes(sizes: Iterable[int]) -> int:
     """Device bytes one load of files with these placed sizes takes (see allocate)."""
     total = 0
@@ -181,6 +211,8 @@ class GpuLoader:
 
     Defaults come from an H200 host (16 cores): 12 memcpy threads and 24 x 16 MiB
     pinned buffers gave the best bounce throughput (see docs/loader-benchmark.md).
+    ``last_path`` is the path of the last load; ``registration_refused_reason`` says why
+    that load could not use a registered mapping (None when it could).
     """
 
     def __init__(self, device: str | Any = "cuda", *, buffers: int = 24,
@@ -201,8 +233,10 @@ class GpuLoader:
         self._pipelines: dict[int | None, BouncePipeline] = {}
         self._registrations: dict[int, Registration] = {}
         self._loads: dict[int, int] = {}
+        self._refused: dict[int, str] = {}  # mappings whose registration failed
         self._lock = threading.Lock()
         self.last_path: str | None = None
+        self.registration_refused_reason: str | None = None
         self._arena: Any = None
 
     def close(self) -> None:
@@ -227,8 +261,16 @@ class GpuLoader:
         with self._lock:
             self._pipeline(numa_node)
 
-    def register(self, view: ModelView) -> Registration:
-        """Register the model's ranges of the mapping now (e.g. while a server starts)."""
+    def register(self, view: ModelView) -> Registration | None:
+        """Register the model's ranges of the mapping now (e.g. while a server starts).
+
+        Returns None, registering nothing, for a volume that must not be registered
+        (``view.volume.registration_refused_reason``): its loads use bounce buffers.
+        """
+        reason = view.volume.registration_refused_reason
+        if reason is not None:
+            log.info("not registering %s: %s", view.volume.source, reason)
+            return None
         with self._lock:
             reg = self._registration(view)
             for start, end in self._pieces(view):
@@ -241,6 +283,7 @@ class GpuLoader:
         with self._lock:
             key = id(volume.mapping)
             self._loads.pop(key, None)
+            self._refused.pop(key, None)
             reg = self._registrations.pop(key, None)
             if reg is not None:
                 reg.close()
@@ -271,14 +314,29 @@ class GpuLoader:
             self._pipelines[numa_node] = pipe
         return pipe
 
-    def _wants_registration(self, view: ModelView) -> bool:
+    def _choose(self, view: ModelView) -> str:
         key = id(view.volume.mapping)
-        self._loads[key] = self._loads.get(key, 0) + 1
-        if self.mode == BOUNCE:
-            return False
-        return self.mode == REGISTERED or key in self._registrations or (
-            self.auto_register_after is not None
-            and self._loads[key] >= self.auto_register_after)
+        loads = self._loads[key] = self._loads.get(key, 0) + 1
+        path, reason = choose_path(self.mode, view.volume, loads, key in self._registrations,
+                                   self.auto_register_after, self._refused.get(key))
+        self.registration_refused_reason = reason
+        if reason is not None and key not in self._refused and loads == 1:
+            # Refused up front (fsdax file, block device): expected, said once per mapping.
+            level = logging.WARNING if self.mode == REGISTERED else logging.INFO
+            log.log(level, "%s; loading through pinned bounce buffers", reason)
+        return path
+
+    def _refuse(self, view: ModelView, exc: Exception) -> None:
+        """A registration failed: say so once, and use bounce buffers from now on."""
+        key = id(view.volume.mapping)
+        log.warning("%s; loading through pinned bounce buffers instead (slower than a "
+                    "registered mapping, and busy memcpy threads)", exc)
+        self._refused[key] = self.registration_refused_reason = str(exc)
+        reg = self._registrations.pop(key, None)
+        if reg is not None:
+            reg.close()  # nothing registered yet; releases its export of the mapping
+        if self.mode == AUTO:
+            self.auto_register_after = None  # do not try (and warn) for every mapping
 
     def reserve(self, view: ModelView, names: Iterable[str] | None = None) -> int:
         """Allocate the device memory of the next load of ``view`` now; return its size.
@@ -325,17 +383,13 @@ class GpuLoader:
                 if left[target.name] == 0:
                     on_file(target.name, dict(target.tensors))
 
-            path = BOUNCE
-            if self._wants_registration(view):
+            path = self._choose(view)
+            if path == REGISTERED:
                 try:
                     self._load_registered(view, targets, finish)
-                    path = REGISTERED
                 except RegistrationError as exc:
-                    log.warning("%s; loading through pinned bounce buffers instead (slower "
-                                "than a registered mapping, and busy memcpy threads)", exc)
-                    self._registrations.pop(id(view.volume.mapping), None)
-                    if self.mode == AUTO:
-                        self.auto_register_after = None  # do not retry (and warn) each load
+                    self._refuse(view, exc)
+                    path = BOUNCE
             if path == BOUNCE:
                 self._load_bounce(view, targets, finish)
             self.last_path = path
@@ -344,7 +398,8 @@ class GpuLoader:
     def _load_bounce(self, view: ModelView, targets: list[FileTarget],
                      finish: Callable[[FileTarget, str], None]) -> None:
         torch = _torch()
-        allocate(targets, self.device, self._take_arena())
+        if any(t.buffer is None for t in targets):  # else a refused registration did
+            allocate(targets, self.device, self._take_arena())
         chunks: list[planning.Chunk] = []
         completions = []
         for i, target in enumerate(targets):

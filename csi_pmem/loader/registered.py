@@ -9,7 +9,10 @@ registered, so a first load pays roughly max(registration, copy) rather than the
 single registrations of 512 GiB or more fail on recent drivers anyway. Pieces stay
 registered until :meth:`Registration.close`, and later loads skip straight to copying.
 Read-only mappings need ``cudaHostRegisterReadOnly``. Registration is refused on fsdax
-files and in some sandboxes: the caller falls back to bounce buffers and says so.
+files (the GPU loader does not even try those, nor block devices: see
+:func:`.volume.registration_refusal`) and in some sandboxes: every failure, an error
+code or an exception from the binding, is a :class:`RegistrationError`, and the caller
+falls back to bounce buffers and says so.
 """
 
 from __future__ import annotations
@@ -53,7 +56,11 @@ class Registration:
         import torch
 
         self.volume = volume
-        self.cudart = torch.cuda.cudart()
+        try:
+            self.cudart = torch.cuda.cudart()
+        except Exception as exc:  # a torch build without the runtime bindings
+            raise RegistrationError(f"cannot reach cudaHostRegister through torch: {exc}") \
+                from exc
         self.flags = HOST_REGISTER_PORTABLE | (
             0 if volume.writable else HOST_REGISTER_READ_ONLY)
         # A buffer export: the volume cannot be unmapped while pieces are registered
@@ -73,8 +80,13 @@ class Registration:
         if self.pieces.get(start) == end:
             return
         t = time.monotonic()
-        err = self.cudart.cudaHostRegister(self.volume.address + start, end - start,
-                                           self.flags)
+        try:
+            err = self.cudart.cudaHostRegister(self.volume.address + start, end - start,
+                                               self.flags)
+        except Exception as exc:  # a binding may raise rather than return the error
+            raise RegistrationError(
+                f"cudaHostRegister of {format_size(end - start)} at offset {start} of "
+                f"{self.volume.source} raised {type(exc).__name__}: {exc}") from exc
         if int(err) != 0:
             raise RegistrationError(
                 f"cudaHostRegister of {format_size(end - start)} at offset {start} of "

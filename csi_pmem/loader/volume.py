@@ -4,10 +4,18 @@ Why: a devdax volume has no file the usual loaders can open (st_size is 0, no
 read()/write(); DESIGN.md 1.3), and inside a pod it is not even a device node: the fd
 arrives over the published directory's ``dax.sock``. Everything else in the loader
 works on one ``MAP_SHARED`` mapping from offset 0, so this module is the one place that
-knows the three sources: a published volume directory (or its socket), a devdax
-character device (node plugin, tests on real hardware), and a plain file (emulated
-volumes, tmpfs or hugetlbfs stand-ins, tests). Read-only volumes are mapped PROT_READ,
-so a stray store faults instead of corrupting staged weights.
+knows the sources: a published volume directory (or its socket), a devdax character
+device (node plugin, tests on real hardware), a plain file (emulated volumes, tmpfs or
+hugetlbfs stand-ins, tests, or a file on an fsdax file system mounted ``-o dax``), and
+a block device (an fsdax ``volumeMode: Block`` volume, ``/dev/pmemX.Y``). Read-only
+volumes are mapped PROT_READ, so a stray store faults instead of corrupting staged
+weights.
+
+It also decides, once per open, whether the mapping may ever be registered with CUDA
+(:func:`registration_refusal`): the kernel refuses the long-term pins
+``cudaHostRegister`` needs on fsdax files, and a block device's mapping is page cache
+(DESIGN.md 1.1, 1.3). Such volumes carry ``registration_refused_reason`` and the GPU
+loader goes straight to bounce buffers instead of trying and failing.
 """
 
 from __future__ import annotations
@@ -19,10 +27,13 @@ import logging
 import mmap
 import os
 import stat
+import struct
+from collections.abc import Iterable
 from typing import Any
 
 from csi_pmem import daxclient
 from csi_pmem.loader.errors import AlignmentError, ReadOnlyVolumeError, VolumeError
+from csi_pmem.mounts import MountInfo, mountinfo
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +43,15 @@ PAGE = mmap.PAGESIZE
 # Linux 5.14+; Python 3.11's mmap module has no names for them.
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
+# statx(2) (glibc 2.28, Linux 5.8 for the DAX bit); Python 3.11's os has no statx.
+AT_EMPTY_PATH = 0x1000
+STATX_ATTR_DAX = 0x00200000
+_STATX_ATTRIBUTES = 8  # offsets of stx_attributes and stx_attributes_mask (u64)
+_STATX_ATTRIBUTES_MASK = 56
+MOUNTINFO = "/proc/self/mountinfo"
+# Mount options that make every file of the file system DAX (ext2/ext4 print "dax" or
+# "dax=always", xfs "dax=always"). "dax=inode" leaves it to each file: statx tells.
+DAX_MOUNT_OPTIONS = frozenset({"dax", "dax=always"})
 
 
 def format_size(n: int) -> str:
@@ -73,12 +93,15 @@ class Volume:
     """One MAP_SHARED mapping of a whole volume plus what we know about it.
 
     ``size`` is the mapped length (a multiple of ``align``), ``numa_node`` is None when
-    unknown. Views handed out (numpy arrays, torch tensors) keep the mapping alive after
-    :meth:`close`; it is unmapped when the last of them is freed.
+    unknown, ``registration_refused_reason`` says why the mapping must not be registered
+    with CUDA (fsdax files, block devices) or is None. Views handed out (numpy arrays,
+    torch tensors) keep the mapping alive after :meth:`close`; it is unmapped when the
+    last of them is freed.
     """
 
     def __init__(self, mapping: mmap.mmap, *, size: int, align: int, numa_node: int | None,
-                 writable: bool, source: str, metadata: dict[str, Any] | None = None):
+                 writable: bool, source: str, metadata: dict[str, Any] | None = None,
+                 registration_refused_reason: str | None = None):
         self.mapping: mmap.mmap | None = mapping
         self.size = size
         self.align = align
@@ -88,6 +111,9 @@ class Volume:
         self.metadata = dict(metadata or {})
         self._view: memoryview | None = memoryview(mapping)
         self._address: int | None = None
+        # Why this mapping must never be registered with CUDA (None: it may be); see
+        # registration_refusal(). The GPU loader then always uses bounce buffers.
+        self.registration_refused_reason = registration_refused_reason
 
     def __repr__(self) -> str:
         mode = "rw" if self.writable else "ro"
@@ -194,6 +220,99 @@ def _volume_json(directory: str) -> dict[str, Any]:
         return {}
 
 
+def statx_dax(fd: int) -> bool | None:
+    """Whether an open file is DAX (``STATX_ATTR_DAX``), or None where statx cannot tell
+    (no statx in libc, a kernel before 5.8, a file system that does not report it)."""
+    statx = getattr(_libc(), "statx", None)
+    if statx is None:
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statx
+    if statx(fd, b"", AT_EMPTY_PATH, 0, buf) != 0:
+        return None
+    (attributes,) = struct.unpack_from("<Q", buf.raw, _STATX_ATTRIBUTES)
+    (mask,) = struct.unpack_from("<Q", buf.raw, _STATX_ATTRIBUTES_MASK)
+    if not mask & STATX_ATTR_DAX:
+        return None
+    return bool(attributes & STATX_ATTR_DAX)
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
+
+
+def mount_of(path: str | None, mounts: Iterable[MountInfo], dev: str = "") -> MountInfo | None:
+    """The mount holding ``path`` (already resolved): the deepest mount point above it;
+    among mounts on the same point the last listed, the one on top.
+
+    ``dev`` (the file's ``st_dev`` as "major:minor") keeps only mounts of that file
+    system where mountinfo names devices, which guards against a path that was mounted
+    over after the file was opened; with no ``path``, or none of those mounts above
+    it, any mount of that file system answers (the DAX options belong to the file
+    system, not to one mount of it).
+    """
+    found, depth, same_fs = None, -1, None
+    for m in mounts:
+        mdev = getattr(m, "dev", "")
+        if dev and mdev:
+            if mdev != dev:
+                continue
+            same_fs = m
+        if path is None:
+            continue
+        point = m.mount_point.rstrip("/") or "/"
+        inside = point == "/" or path == point or path.startswith(point + "/")
+        if inside and len(point) >= depth:
+            found, depth = m, len(point)
+    return found or same_fs
+
+
+def registration_refusal(fd: int, path: str | None = None, *,
+                         mounts: Iterable[MountInfo] | None = None) -> str | None:
+    """Why a mapping of the open ``fd`` must never be registered with CUDA, or None.
+
+    Cheap (an fstat, a statx, at most one read of mountinfo) and conservative: refused
+    are block devices (their mapping is page cache, and a raw fsdax device has no DAX
+    mmap: pinning it buys nothing for a one-shot copy) and DAX files, for which the
+    kernel refuses the FOLL_LONGTERM pins ``cudaHostRegister`` takes (DESIGN.md 1.3).
+    A file is DAX when statx says so, or when the mount holding it (``mounts``, default
+    the process's mountinfo; found by ``path`` and by the file's device, so an fd
+    received over a socket without a path still finds its file system when it is
+    mounted here) has ``dax`` or ``dax=always``. devdax character devices, tmpfs,
+    hugetlbfs and other files keep the registered path.
+    """
+    st = os.fstat(fd)
+    name = path or f"fd {fd}"
+    if stat.S_ISBLK(st.st_mode):
+        return (f"{name} is a block device: its mapping is page cache, not DAX memory, "
+                "and pinning it for CUDA does not pay for a one-shot copy")
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    why = ("the kernel refuses the long-term pins cudaHostRegister needs on fsdax "
+           "files")
+    if statx_dax(fd):
+        return f"{name} is a DAX file (statx STATX_ATTR_DAX): {why}"
+    if mounts is None:
+        try:
+            mounts = mountinfo(MOUNTINFO)
+        except OSError as exc:
+            log.debug("cannot read %s (%s); assuming %s is not on a DAX mount",
+                      MOUNTINFO, exc, name)
+            return None
+    mount = mount_of(os.path.realpath(path) if path else None, mounts,
+                     f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    dax = sorted(DAX_MOUNT_OPTIONS & mount.options) if mount is not None else []
+    if mount is None or not dax:
+        return None
+    return (f"{name} is on a DAX file system ({mount.fstype} {mount.source} at "
+            f"{mount.mount_point}, mounted with {dax[0]}): {why}")
+
+
 def _map(fd: int, size: int, writable: bool, prefault: bool,
          source: str) -> tuple[mmap.mmap, bool]:
     """Map ``fd``; the flag says whether MAP_POPULATE already prefaulted it."""
@@ -255,10 +374,22 @@ def _from_path(path: str, writable: bool) -> tuple[int, dict[str, Any]]:
                 meta[key] = value
     elif stat.S_ISREG(st.st_mode):
         meta["usable_size"] = st.st_size
+    elif stat.S_ISBLK(st.st_mode):
+        # An fsdax namespace (/dev/pmemX.Y), a loop device: st_size is 0; the size is
+        # where the end is. The namespace's NUMA node is on its device (a partition's
+        # on its disk's).
+        meta["usable_size"] = os.lseek(fd, 0, os.SEEK_END)
+        meta["block_device"] = True
+        sysdir = f"/sys/dev/block/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+        for device in ("device", "../device"):
+            node = _sysfs_int(os.path.join(sysdir, device, "numa_node"))
+            if node is not None:
+                meta["numa_node"] = node
+                break
     else:
         os.close(fd)
-        raise VolumeError(f"{path} is neither a regular file, a devdax device nor a "
-                          "published volume directory")
+        raise VolumeError(f"{path} is neither a regular file, a block device, a devdax "
+                          "device nor a published volume directory")
     return fd, meta
 
 
@@ -271,9 +402,12 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
     :class:`ReadOnlyVolumeError` for read-only publishes and files. ``prefault`` asks
     for MAP_POPULATE (all page tables filled at map time; on a sparse tmpfs file that
     also allocates its holes). ``align`` and ``numa_node`` override what the volume
-    reports; plain files default to 2 MiB and an unknown node.
+    reports; plain files default to 2 MiB and an unknown node. A block device (fsdax
+    ``volumeMode: Block``) cannot be resized, so it is mapped up to the last whole
+    ``align`` rather than refused for an odd size.
     """
     path = os.fspath(path)
+    opened_by_path = False
     if os.path.isdir(path):
         sock = os.path.join(path, daxclient.SOCKET_NAME)
         if not os.path.exists(sock):
@@ -288,6 +422,7 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
         fd, meta = _from_socket(path, writable, timeout)
     elif os.path.exists(path):
         fd, meta = _from_path(path, writable)
+        opened_by_path = True
     else:
         raise VolumeError(f"{path} does not exist")
     try:
@@ -296,14 +431,24 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
         except (KeyError, TypeError, ValueError) as exc:
             raise VolumeError(f"{path}: cannot tell the volume's size ({meta!r})") from exc
         align = int(align or meta.get("align") or DEFAULT_ALIGN)
+        if meta.get("block_device") and 0 < size < align:
+            raise VolumeError(f"{path}: the block device ({format_size(size)}) is smaller "
+                              f"than one volume align ({format_size(align)})")
+        if meta.get("block_device") and size % align:
+            log.info("%s: mapping %s of the %s block device (whole multiples of the "
+                     "%s align)", path, format_size(size - size % align), format_size(size),
+                     format_size(align))
+            size -= size % align
         _check_geometry(path, size, align)
+        # A socket's fd may come from another mount namespace: no path to trust there.
+        refused = registration_refusal(fd, path if opened_by_path else None)
         node = numa_node if numa_node is not None else meta.get("numa_node")
         node = int(node) if node is not None and int(node) >= 0 else None
         mapping, populated = _map(fd, size, writable, prefault, path)
     finally:
         os.close(fd)
     volume = Volume(mapping, size=size, align=align, numa_node=node, writable=writable,
-                    source=path, metadata=meta)
+                    source=path, metadata=meta, registration_refused_reason=refused)
     if prefault and not populated:
         volume.prefault()
     log.debug("opened %r", volume)

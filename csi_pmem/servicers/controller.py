@@ -39,10 +39,12 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
     def CreateVolume(self, request, context):
         if not request.name:
             raise InvalidArgument("name is required")
-        require_valid(request.volume_capabilities)
+        if not request.volume_capabilities:
+            raise InvalidArgument("volume_capabilities are required")
         if request.HasField("volume_content_source"):
             raise InvalidArgument("volume content sources (snapshots, clones) are not supported")
         params = sc_params.parse(request.parameters)
+        require_valid(request.volume_capabilities, params.device_mode)
         requisite = request.accessibility_requirements.requisite
         if requisite and not self._on_this_node(requisite):
             raise ResourceExhausted(
@@ -66,7 +68,8 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
         if not request.volume_capabilities:
             raise InvalidArgument("volume_capabilities are required")
         rec = self.driver.get(request.volume_id)
-        reasons = [p for p in map(problem, request.volume_capabilities) if p]
+        mode = rec.params.get(sc_params.DEVICE_MODE, sc_params.DEVDAX)
+        reasons = [p for p in (problem(c, mode) for c in request.volume_capabilities) if p]
         if request.parameters:
             try:
                 wanted = sc_params.parse(request.parameters).to_dict()
@@ -117,7 +120,7 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
     def GetCapacity(self, request, context):
         params = sc_params.parse(request.parameters)  # a bad class is an error, not 0
         for cap in request.volume_capabilities:
-            if problem(cap):
+            if problem(cap, params.device_mode):
                 return csi_pb2.GetCapacityResponse(available_capacity=0)
         if request.HasField("accessible_topology") and \
                 not self._on_this_node([request.accessible_topology]):

@@ -1,7 +1,9 @@
-"""CSI Node service: publish a devdax volume as a tmpfs with volume.json and dax.sock.
+"""CSI Node service: devdax volumes as a tmpfs with volume.json and dax.sock, fsdax
+volumes as a block device or an ext4/xfs file system mounted with -o dax.
 
-No NodeStage: there is nothing to share between the pods of one node that a per-target
-tmpfs does not already give, and skipping it keeps a publish self-contained.
+NodeStageVolume matters only for fsdax file systems (one mount per node, bound into
+each pod). devdax volumes need no stage: a per-target tmpfs shares nothing, so their
+NodeStageVolume only validates, which keeps a devdax publish self-contained.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 from csi_pmem.csi import csi_pb2, csi_pb2_grpc
 from csi_pmem.driver import Driver
 from csi_pmem.errors import InvalidArgument
-from csi_pmem.servicers.capabilities import READ_ONLY_MODES, mode_name, require_valid
+from csi_pmem.fsdax_node import Access
+from csi_pmem.servicers.capabilities import READ_ONLY_MODES, fs_type, mode_name, require_valid
 from csi_pmem.servicers.rpc import rpc
+from csi_pmem.state import BLOCK, MOUNT
 
 NCap = csi_pb2.NodeServiceCapability.RPC
 POD_UID_KEY = "csi.storage.k8s.io/pod.uid"
@@ -30,9 +34,44 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     @rpc
     def NodeGetCapabilities(self, request, context):
-        caps = [NCap.GET_VOLUME_STATS, NCap.VOLUME_CONDITION, NCap.VOLUME_MOUNT_GROUP]
+        caps = [NCap.STAGE_UNSTAGE_VOLUME, NCap.GET_VOLUME_STATS, NCap.VOLUME_CONDITION,
+                NCap.VOLUME_MOUNT_GROUP]
         return csi_pb2.NodeGetCapabilitiesResponse(capabilities=[
             csi_pb2.NodeServiceCapability(rpc=NCap(type=t)) for t in caps])
+
+    def _access(self, volume_id: str, cap) -> Access:
+        """Validate ``cap`` against the volume's device mode; what it asks for."""
+        rec = self.driver.get(volume_id)
+        require_valid([cap], rec.device_mode)
+        if cap.WhichOneof("access_type") == "block":
+            return Access(kind=BLOCK)
+        flags = tuple(cap.mount.mount_flags)
+        bad = [f for f in flags if not f or "," in f or "\x00" in f]
+        if bad:
+            raise InvalidArgument(
+                f"invalid mount flag(s) {bad!r}: give one option per entry, without commas")
+        return Access(kind=MOUNT, fs_type=fs_type(cap), mount_flags=flags)
+
+    @rpc
+    def NodeStageVolume(self, request, context):
+        if not request.volume_id:
+            raise InvalidArgument("volume_id is required")
+        if not request.staging_target_path:
+            raise InvalidArgument("staging_target_path is required")
+        if not request.HasField("volume_capability"):
+            raise InvalidArgument("volume_capability is required")
+        access = self._access(request.volume_id, request.volume_capability)
+        self.driver.stage(request.volume_id, request.staging_target_path, access)
+        return csi_pb2.NodeStageVolumeResponse()
+
+    @rpc
+    def NodeUnstageVolume(self, request, context):
+        if not request.volume_id:
+            raise InvalidArgument("volume_id is required")
+        if not request.staging_target_path:
+            raise InvalidArgument("staging_target_path is required")
+        self.driver.unstage(request.volume_id, request.staging_target_path)
+        return csi_pb2.NodeUnstageVolumeResponse()
 
     @rpc
     def NodePublishVolume(self, request, context):
@@ -42,7 +81,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             raise InvalidArgument("target_path is required")
         if not request.HasField("volume_capability"):
             raise InvalidArgument("volume_capability is required")
-        require_valid([request.volume_capability])
+        access = self._access(request.volume_id, request.volume_capability)
         cap = request.volume_capability
         readonly = request.readonly or cap.access_mode.mode in READ_ONLY_MODES
         group = cap.mount.volume_mount_group
@@ -59,7 +98,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self.driver.publish(request.volume_id, request.target_path, readonly,
                             pod_uid=pod_uid,
                             mount_group=int(group) if group else None,
-                            access_mode=mode_name(cap))
+                            access_mode=mode_name(cap), access=access,
+                            staging=request.staging_target_path)
         return csi_pb2.NodePublishVolumeResponse()
 
     @rpc
@@ -77,13 +117,20 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             raise InvalidArgument("volume_id is required")
         if not request.volume_path:
             raise InvalidArgument("volume_path is required")
-        rec, _ = self.driver.publication(request.volume_id, request.volume_path)
+        rec, fs = self.driver.usage(request.volume_id, request.volume_path)
         cond = self.driver.condition(rec)
-        # The driver cannot see inside a raw device: report it whole and free, so
-        # "volume filling up" alerts do not fire on every devdax volume.
-        usage = csi_pb2.VolumeUsage(unit=csi_pb2.VolumeUsage.BYTES, total=rec.usable_size,
-                                    available=rec.usable_size, used=0)
+        if fs is None:
+            # The driver cannot see inside a raw device: report it whole and free, so
+            # "volume filling up" alerts do not fire on every devdax or block volume.
+            usage = [csi_pb2.VolumeUsage(unit=csi_pb2.VolumeUsage.BYTES, total=rec.usable_size,
+                                         available=rec.usable_size, used=0)]
+        else:
+            usage = [
+                csi_pb2.VolumeUsage(unit=csi_pb2.VolumeUsage.BYTES, total=fs.total_bytes,
+                                    available=fs.available_bytes, used=fs.used_bytes),
+                csi_pb2.VolumeUsage(unit=csi_pb2.VolumeUsage.INODES, total=fs.total_inodes,
+                                    available=fs.available_inodes, used=fs.used_inodes)]
         return csi_pb2.NodeGetVolumeStatsResponse(
-            usage=[usage],
+            usage=usage,
             volume_condition=csi_pb2.VolumeCondition(abnormal=cond.abnormal,
                                                      message=cond.message))

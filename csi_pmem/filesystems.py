@@ -1,0 +1,124 @@
+"""File systems on fsdax volumes: probe, create once, mount with DAX, report usage.
+
+Why a module: NodeStageVolume must never format a device that already holds data (a
+restaged volume keeps its files), must make a file system that can be mounted with
+``-o dax``, and must say clearly when the volume holds something else. These rules
+are the same for ext4 and xfs and for the ndctl and emulated back ends.
+
+- Probing uses ``blkid -p`` (low-level superblock probing, no cache): exit 2 means no
+  signature at all, the only state in which the driver formats.
+- ext4 is made with 4 KiB blocks (DAX needs the block size to equal the page size, and
+  mke2fs picks 1 KiB blocks for small "floppy"/"small" file systems). xfs is made
+  without reflink, which older kernels refuse to combine with DAX. Neither discards:
+  a new volume was zeroed already, and discarding an emulated loop device would punch
+  holes in its reserved backing file.
+- ``-o dax`` (the legacy spelling of ``dax=always``, accepted by both file systems on
+  every kernel with fsdax) is added when the back end says the device supports DAX.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+
+from csi_pmem import runner
+from csi_pmem.errors import CommandError, FailedPrecondition
+
+MKFS_TIMEOUT = 600.0
+PROBE_TIMEOUT = 30.0
+DAX_OPTION = "dax"
+_MKFS = {
+    "ext4": ["mkfs.ext4", "-F", "-q", "-b", "4096", "-E", "nodiscard"],
+    "xfs": ["mkfs.xfs", "-f", "-q", "-K", "-m", "reflink=0"],
+}
+
+
+@dataclass(frozen=True)
+class Usage:
+    total_bytes: int
+    available_bytes: int
+    used_bytes: int
+    total_inodes: int
+    available_inodes: int
+    used_inodes: int
+
+
+def probe(device: str) -> dict[str, str]:
+    """The signatures ``blkid -p`` finds on ``device`` ({} when it holds none)."""
+    try:
+        res = runner.run(["blkid", "-p", "-o", "export", device], timeout=PROBE_TIMEOUT)
+    except CommandError as exc:
+        if exc.returncode == 2:  # nothing found
+            return {}
+        raise
+    found = {}
+    for line in res.stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            found[key] = value
+    return found
+
+
+def ensure(device: str, fs_type: str, volume: str) -> bool:
+    """Make a ``fs_type`` file system on ``device`` unless it has one; True if made.
+
+    Anything else on the device (another file system, a partition table, swap) is
+    refused: formatting would destroy data someone put there.
+    """
+    found = probe(device)
+    have = found.get("TYPE") or found.get("PTTYPE")
+    if have == fs_type:
+        return False
+    if have or found:
+        raise FailedPrecondition(
+            f"volume {volume} already holds {have or 'an unknown signature'} on {device}, "
+            f"not {fs_type}: it is not formatted again (that would destroy its data); use "
+            f"fsType {have} for it, or a new volume")
+    runner.run([*_MKFS[fs_type], device], timeout=MKFS_TIMEOUT)
+    return True
+
+
+def mount_options(dax: bool, mount_flags: list[str]) -> list[str]:
+    """The -o list: DAX first (when the device has it), then the user's flags."""
+    user = [f for f in mount_flags if f]
+    explicit = any(f == DAX_OPTION or f.startswith(DAX_OPTION + "=") for f in user)
+    return ([DAX_OPTION] if dax and not explicit else []) + user
+
+
+def usage(path: str) -> Usage:
+    st = os.statvfs(path)
+    return Usage(total_bytes=st.f_blocks * st.f_frsize,
+                 available_bytes=st.f_bavail * st.f_frsize,
+                 used_bytes=(st.f_blocks - st.f_bfree) * st.f_frsize,
+                 total_inodes=st.f_files, available_inodes=st.f_favail,
+                 used_inodes=st.f_files - st.f_ffree)
+
+
+def apply_group(root: str, gid: int) -> None:
+    """Give group ``gid`` access to the file system at ``root``, as kubelet would.
+
+    With the VOLUME_MOUNT_GROUP capability kubelet delegates fsGroup to the driver
+    instead of changing ownership itself. This does what kubelet's SetVolumeOwnership
+    does (group ownership, group read/write, setgid on directories so new files
+    inherit the group), and like fsGroupChangePolicy OnRootMismatch it walks the tree
+    only when the root does not have the group yet.
+    """
+    st = os.lstat(root)
+    if st.st_gid == gid and st.st_mode & stat.S_ISGID:
+        return
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            _group_one(os.path.join(dirpath, name), gid)
+    _group_one(root, gid)
+
+
+def _group_one(path: str, gid: int) -> None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return
+    os.chown(path, -1, gid)
+    mode = stat.S_IMODE(st.st_mode) | stat.S_IRGRP | stat.S_IWGRP
+    if stat.S_ISDIR(st.st_mode):
+        mode |= stat.S_IXGRP | stat.S_ISGID
+    os.chmod(path, mode)

@@ -1,0 +1,370 @@
+"""Node side of fsdax volumes: a raw block device, or ext4/xfs mounted with -o dax.
+
+Why separate from devdax publishing: an fsdax namespace is a block device
+(``/dev/pmemX.Y``), so it is published the way every block-storage CSI driver does it,
+not through dax.sock (DESIGN.md 2.1):
+
+- ``volumeMode: Block``: NodePublishVolume creates the target file and binds the device
+  node onto it; kubelet then loop-attaches it and gives the container the device with
+  ``rw`` or, for a read-only claim, ``r`` device-cgroup permissions. NodeStageVolume has
+  nothing to do.
+- ``volumeMode: Filesystem``: NodeStageVolume makes the file system once (never over
+  existing data, see :mod:`csi_pmem.filesystems`) and mounts it at the staging path with
+  ``-o dax`` where the device supports DAX; NodePublishVolume binds the staging mount
+  onto each pod's target (read-only when asked) and applies the pod's fsGroup, which
+  kubelet delegates to drivers with VOLUME_MOUNT_GROUP.
+
+The same intent-then-act discipline as :class:`csi_pmem.driver.Driver` applies: the
+record says ``staging``/``publishing`` before anything is mounted, and
+:meth:`FsdaxNode.reconcile` finishes or drops what a crash interrupted, trusting
+mountinfo for what is mounted. The caller holds the volume's in-flight slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from csi_pmem import failpoints, filesystems, mounts
+from csi_pmem.backends.base import Backend, Namespace
+from csi_pmem.errors import (
+    AlreadyExists,
+    CommandError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+)
+from csi_pmem.state import (
+    BLOCK,
+    MOUNT,
+    PUBLISHED,
+    PUBLISHING,
+    STAGED,
+    STAGING,
+    UNPUBLISHING,
+    Publication,
+    Stage,
+    StateStore,
+    VolumeRecord,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Access:
+    """What a NodeStage/NodePublish request asks for, already validated."""
+
+    kind: str  # BLOCK or MOUNT
+    fs_type: str = ""
+    mount_flags: tuple[str, ...] = ()
+
+
+class FsdaxNode:
+    def __init__(self, backend: Backend, store: StateStore,
+                 umount: Callable[[str], None]) -> None:
+        self.backend = backend
+        self.store = store
+        self._umount = umount  # retries while busy (Driver._umount)
+
+    # ------------------------------------------------------------------ helpers
+    def _namespace(self, rec: VolumeRecord) -> Namespace:
+        ns = self.backend.get(rec.id)
+        if ns is None or not ns.device:
+            raise FailedPrecondition(f"the block device of volume {rec.id} has disappeared")
+        return ns
+
+    @staticmethod
+    def _rdev(device: str) -> int:
+        try:
+            st = os.stat(device)
+        except FileNotFoundError as exc:
+            raise FailedPrecondition(f"device {device} does not exist; is /dev the host's "
+                                     "/dev in this container?") from exc
+        if not stat.S_ISBLK(st.st_mode):
+            raise FailedPrecondition(f"{device} is not a block device")
+        return st.st_rdev
+
+    @staticmethod
+    def _fs_mounted(path: str, rdev: int) -> mounts.MountInfo | None:
+        """The mount at ``path`` if it is a file system on device ``rdev``."""
+        current = mounts.find(path)
+        if current is not None and current.dev == mounts.dev_of(rdev):
+            return current
+        return None
+
+    @staticmethod
+    def _device_bound(path: str, rdev: int) -> mounts.MountInfo | None:
+        """The mount at ``path`` if it is device ``rdev`` bound onto a file."""
+        current = mounts.find(path)
+        if current is None:
+            return None
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return current if stat.S_ISBLK(st.st_mode) and st.st_rdev == rdev else None
+
+    def _ours(self, pub: Publication, rdev: int) -> mounts.MountInfo | None:
+        if pub.kind == BLOCK:
+            return self._device_bound(pub.target, rdev)
+        return self._fs_mounted(pub.target, rdev)
+
+    def _current_rdev(self, rec: VolumeRecord) -> int | None:
+        ns = self.backend.get(rec.id)
+        if ns is None or not ns.device:
+            return None
+        try:
+            return self._rdev(ns.device)
+        except FailedPrecondition:
+            return None
+
+    # ------------------------------------------------------------------ stage
+    def stage(self, rec: VolumeRecord, path: str, access: Access) -> None:
+        if access.kind == BLOCK:
+            return  # the device is bound per pod at publish; nothing to share
+        ns = self._namespace(rec)
+        rdev = self._rdev(ns.device)
+        staged = rec.stages.get(path)
+        if self._fs_mounted(path, rdev) is not None:
+            if staged is not None and staged.state == STAGED:
+                if staged.fs_type != access.fs_type \
+                        or staged.mount_flags != list(access.mount_flags):
+                    raise AlreadyExists(
+                        f"volume {rec.id} is already staged at {path} as {staged.fs_type} "
+                        f"with mount options {staged.mount_flags or 'none'}; unstage it "
+                        "before staging with other settings")
+                return
+        else:
+            current = mounts.find(path)
+            if current is not None:
+                raise FailedPrecondition(
+                    f"staging path {path} is already a mount point ({current.fstype} from "
+                    f"{current.source}); refusing to mount over it")
+            if os.path.lexists(path) and (not os.path.isdir(path) or os.path.islink(path)):
+                raise FailedPrecondition(f"staging path {path} exists and is not a directory")
+        stage = Stage(path=path, fs_type=access.fs_type, mount_flags=list(access.mount_flags),
+                      state=STAGING, dax=ns.fs_dax)
+        rec.stages[path] = stage
+        self.store.put(rec)
+        try:
+            if self._fs_mounted(path, rdev) is None:
+                self._format_and_mount(rec, ns, path, access)
+        except BaseException:
+            rec.stages.pop(path, None)
+            self.store.put(rec)
+            raise
+        stage.state = STAGED
+        self.store.put(rec)
+        log.info("staged %s at %s (%s%s)", rec.id, path, access.fs_type,
+                 ", dax" if ns.fs_dax else ", without dax: the device does not support it")
+
+    def _format_and_mount(self, rec: VolumeRecord, ns: Namespace, path: str,
+                          access: Access) -> None:
+        os.makedirs(path, mode=0o750, exist_ok=True)
+        if filesystems.ensure(ns.device, access.fs_type, rec.id):
+            log.info("made %s on %s for volume %s", access.fs_type, ns.device, rec.id)
+        failpoints.hit(failpoints.STAGE_AFTER_MKFS)
+        options = filesystems.mount_options(ns.fs_dax, list(access.mount_flags))
+        try:
+            mounts.mount(ns.device, path, access.fs_type, options)
+        except CommandError as exc:
+            if access.mount_flags:
+                raise InvalidArgument(
+                    f"mounting {access.fs_type} of volume {rec.id} with options "
+                    f"{','.join(options)} failed: {exc.stderr.strip() or exc}; check the "
+                    "StorageClass mountOptions") from exc
+            raise
+
+    def unstage(self, rec: VolumeRecord, path: str) -> None:
+        rdev = self._current_rdev(rec)
+        if rdev is not None and self._fs_mounted(path, rdev) is not None:
+            self._umount(path)
+        if rec.stages.pop(path, None) is not None:
+            self.store.put(rec)
+            log.info("unstaged %s from %s", rec.id, path)
+
+    # ------------------------------------------------------------------ publish
+    def publish(self, rec: VolumeRecord, target: str, readonly: bool, access: Access,
+                staging: str, *, mount_group: int | None, pod_uid: str | None,
+                access_mode: str) -> None:
+        ns = self._namespace(rec)
+        rdev = self._rdev(ns.device)
+        pub = rec.publications.get(target)
+        if pub is not None and pub.state == PUBLISHED:
+            current = self._ours(pub, rdev)
+            if current is not None:
+                if pub.kind != access.kind or pub.readonly != readonly \
+                        or pub.mount_group != mount_group:
+                    raise AlreadyExists(
+                        f"volume {rec.id} is already published at {target} as {pub.kind} "
+                        f"with readonly={pub.readonly}; unpublish it before publishing with "
+                        "other options")
+                return
+        if access.kind == MOUNT:
+            source = self._staged_source(rec, staging, rdev)
+            self._check_dir_target(target)
+        else:
+            source = ns.device
+            self._check_file_target(target)
+        pub = Publication(target=target, readonly=readonly, state=PUBLISHING, pod_uid=pod_uid,
+                          mount_group=mount_group, access_mode=access_mode, kind=access.kind,
+                          staging=staging if access.kind == MOUNT else "")
+        rec.publications[target] = pub
+        self.store.put(rec)
+        failpoints.hit(failpoints.PUBLISH_AFTER_RECORD)
+        created = not os.path.lexists(target)
+        try:
+            if access.kind == MOUNT:
+                os.makedirs(target, mode=0o750, exist_ok=True)
+                if mount_group is not None and not readonly:
+                    filesystems.apply_group(source, mount_group)
+            elif created:
+                os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+            mounts.bind(source, target, readonly)
+        except BaseException:
+            if created:
+                _remove(target)
+            rec.publications.pop(target, None)
+            self.store.put(rec)
+            raise
+        failpoints.hit(failpoints.PUBLISH_AFTER_MOUNT)
+        pub.state = PUBLISHED
+        self.store.put(rec)
+        log.info("published %s at %s as %s (readonly=%s, pod %s)", rec.id, target,
+                 "a block device" if access.kind == BLOCK else f"{access.fs_type} from "
+                 f"{staging}", readonly, pod_uid or "-")
+
+    def _staged_source(self, rec: VolumeRecord, staging: str, rdev: int) -> str:
+        if not staging:
+            raise InvalidArgument(
+                "staging_target_path is required to publish an fsdax file system volume "
+                "(the driver has the STAGE_UNSTAGE_VOLUME capability)")
+        stage = rec.stages.get(staging)
+        if stage is None or stage.state != STAGED or self._fs_mounted(staging, rdev) is None:
+            raise FailedPrecondition(
+                f"volume {rec.id} is not staged at {staging}; call NodeStageVolume first")
+        return staging
+
+    @staticmethod
+    def _check_dir_target(target: str) -> None:
+        current = mounts.find(target)
+        if current is not None:
+            raise FailedPrecondition(
+                f"target {target} is already a mount point ({current.fstype} from "
+                f"{current.source}); refusing to mount over it")
+        if os.path.lexists(target):
+            if not os.path.isdir(target) or os.path.islink(target):
+                raise FailedPrecondition(f"target {target} exists and is not a directory")
+            if not mounts.is_dir_empty(target):
+                raise FailedPrecondition(
+                    f"target {target} is a non-empty directory; mounting over it would hide "
+                    "its contents")
+        else:
+            ancestor = os.path.dirname(target)  # created below it: must be a directory
+            while not os.path.lexists(ancestor):
+                ancestor = os.path.dirname(ancestor)
+            if not os.path.isdir(ancestor):
+                raise FailedPrecondition(
+                    f"target {target} cannot be created: {ancestor} is not a directory")
+
+    @staticmethod
+    def _check_file_target(target: str) -> None:
+        current = mounts.find(target)
+        if current is not None:
+            raise FailedPrecondition(
+                f"target {target} is already a mount point ({current.fstype} from "
+                f"{current.source}); refusing to bind a device over it")
+        if os.path.lexists(target):
+            if os.path.islink(target) or not os.path.isfile(target):
+                raise FailedPrecondition(
+                    f"target {target} exists and is not a regular file: a block volume is "
+                    "published as a device bound onto a file")
+        elif not os.path.isdir(os.path.dirname(target)):
+            raise FailedPrecondition(
+                f"the parent directory of target {target} does not exist (the CO creates "
+                "it for block volumes)")
+
+    # ------------------------------------------------------------------ unpublish
+    def unpublish(self, rec: VolumeRecord, target: str) -> None:
+        pub = rec.publications.get(target)
+        rdev = self._current_rdev(rec)
+        if rdev is not None:
+            kind = pub.kind if pub is not None else None
+            for k in (kind,) if kind else (BLOCK, MOUNT):
+                probe = Publication(target=target, readonly=False, kind=k)
+                if self._ours(probe, rdev) is not None:
+                    self._umount(target)
+                    break
+        failpoints.hit(failpoints.UNPUBLISH_AFTER_UMOUNT)
+        if mounts.find(target) is None:
+            _remove(target)
+        rec.publications.pop(target, None)
+        self.store.put(rec)
+        log.info("unpublished %s from %s", rec.id, target)
+
+    def mounted_here(self, rec: VolumeRecord, target: str) -> bool:
+        """Whether ``target`` holds this volume even though no record says so."""
+        rdev = self._current_rdev(rec)
+        return rdev is not None and (self._device_bound(target, rdev) is not None
+                                     or self._fs_mounted(target, rdev) is not None)
+
+    # ------------------------------------------------------------------ stats
+    def usage(self, rec: VolumeRecord, path: str) -> filesystems.Usage | None:
+        """File system usage at ``path``, None for a block device path of this volume.
+
+        kubelet asks about block volumes with its own per-pod device file, not the
+        publish target, so any path that is this volume's block device is accepted.
+        """
+        rdev = self._current_rdev(rec)
+        if rdev is None:
+            raise NotFound(f"the block device of volume {rec.id} has disappeared")
+        try:
+            st = os.stat(path)
+        except FileNotFoundError as exc:
+            raise NotFound(f"volume path {path} does not exist") from exc
+        if stat.S_ISBLK(st.st_mode) and st.st_rdev == rdev:
+            return None
+        if self._fs_mounted(path, rdev) is not None:
+            return filesystems.usage(path)
+        raise NotFound(f"volume {rec.id} is not published or staged at {path!r} on this node")
+
+    # ------------------------------------------------------------------ start-up
+    def reconcile(self, rec: VolumeRecord) -> None:
+        rdev = self._current_rdev(rec)
+        for path, stage in list(rec.stages.items()):
+            mounted = rdev is not None and self._fs_mounted(path, rdev) is not None
+            if mounted and stage.state != STAGED:
+                stage.state = STAGED
+                self.store.put(rec)
+            elif not mounted:
+                log.warning("stage of %s at %s lost its mount (node reboot or interrupted "
+                            "stage); dropped, kubelet stages again", rec.id, path)
+                rec.stages.pop(path)
+                self.store.put(rec)
+        for target, pub in list(rec.publications.items()):
+            ours = rdev is not None and self._ours(pub, rdev) is not None
+            if pub.state == UNPUBLISHING or not ours:
+                if not ours and pub.state == PUBLISHED:
+                    log.warning("publication of %s at %s lost its mount (node reboot?); "
+                                "dropped, kubelet publishes again", rec.id, target)
+                self.unpublish(rec, target)
+            elif pub.state == PUBLISHING:
+                pub.state = PUBLISHED
+                self.store.put(rec)
+
+
+def _remove(path: str) -> None:
+    """Remove a target the driver created (a file for block, a directory for mounts)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("left target %s in place: %s", path, exc.strerror)
