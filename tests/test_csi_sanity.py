@@ -54,6 +54,7 @@ class Flavour:
     volume_size: int
     regions: str = DEFAULT_REGIONS
     why: str = ""
+    access_type: str = "mount"  # csi-sanity's --csi.testvolumeaccesstype
 
 
 # One entry per tests/sanity/*.yaml (test_every_flavour_file_is_listed enforces it).
@@ -67,6 +68,11 @@ FLAVOURS: dict[str, Flavour] = {
         volume_size=1 * GiB, regions="0=3Gi,1=3Gi",
         why="a 1 GiB volume with 1 GiB align needs a 2 GiB namespace (struct-page "
             "metadata plus rounding to the align), which no 1 GiB region can hold"),
+    # fsdax on the emulated back end: loop devices limited to the usable size. Block
+    # publishes bind the device onto csi-sanity's target file; mount publishes stage
+    # ext4 (csi-sanity sends no fsType) and bind the staged mount.
+    "fsdax-block.yaml": Flavour(volume_size=64 * MiB, access_type="block"),
+    "fsdax-ext4.yaml": Flavour(volume_size=64 * MiB),
 }
 
 # csi-sanity specs we skip on purpose: Ginkgo regex -> reason printed with the results.
@@ -79,8 +85,8 @@ FLAVOURS: dict[str, Flavour] = {
 #   no volume capabilities are provided"; both expect INVALID_ARGUMENT, which the driver
 #   returns whichever missing field it checks first, provided a missing capacity_range
 #   is INVALID_ARGUMENT too. So the required capacity_range needs no skip.
-# - Snapshot, clone, expansion, modify, group-snapshot, NodeStage and
-#   ControllerPublish specs skip themselves because the driver does not report those
+# - Snapshot, clone, expansion, modify, group-snapshot and ControllerPublish specs
+#   skip themselves because the driver does not report those
 #   capabilities; "ListVolumes pagination ..." is an XIt (pending) upstream.
 SKIPS: dict[str, str] = {}
 
@@ -101,7 +107,7 @@ def sanity_argv(binary: str, endpoint: str, work: Path, params: Path,
         f"--csi.stagingdir={kubelet_dir(work) / 'staging'}",
         f"--csi.testvolumeparameters={params}",
         f"--csi.testvolumesize={flavour.volume_size}",
-        "--csi.testvolumeaccesstype=mount",
+        f"--csi.testvolumeaccesstype={flavour.access_type}",
         f"--ginkgo.junit-report={work / 'junit.xml'}",
         "--ginkgo.no-color",
         "--ginkgo.timeout=20m",
