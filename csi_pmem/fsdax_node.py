@@ -6,8 +6,10 @@ not through dax.sock (DESIGN.md 2.1):
 
 - ``volumeMode: Block``: NodePublishVolume creates the target file and binds the device
   node onto it; kubelet then loop-attaches it and gives the container the device with
-  ``rw`` or, for a read-only claim, ``r`` device-cgroup permissions. NodeStageVolume has
-  nothing to do.
+  ``rw`` or, for a read-only claim, ``r`` device-cgroup permissions. A read-only
+  publication binds a read-only loop device over the namespace instead (its ``view``):
+  a read-only bind mount of a device node does not stop writes to the device, a
+  read-only block device does (EPERM). NodeStageVolume has nothing to do.
 - ``volumeMode: Filesystem``: NodeStageVolume makes the file system once (never over
   existing data, see :mod:`csi_pmem.filesystems`) and mounts it at the staging path with
   ``-o dax`` where the device supports DAX; NodePublishVolume binds the staging mount
@@ -28,7 +30,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from csi_pmem import failpoints, filesystems, mounts
+from csi_pmem import failpoints, filesystems, loops, mounts
 from csi_pmem.backends.base import Backend, Namespace
 from csi_pmem.errors import (
     AlreadyExists,
@@ -110,8 +112,24 @@ class FsdaxNode:
 
     def _ours(self, pub: Publication, rdev: int) -> mounts.MountInfo | None:
         if pub.kind == BLOCK:
+            if pub.view:
+                view = self._view_rdev(pub.view)
+                return self._device_bound(pub.target, view) if view is not None else None
             return self._device_bound(pub.target, rdev)
         return self._fs_mounted(pub.target, rdev)
+
+    @staticmethod
+    def _view_rdev(view: str) -> int | None:
+        try:
+            st = os.stat(view)
+        except OSError:
+            return None
+        return st.st_rdev if stat.S_ISBLK(st.st_mode) else None
+
+    def _detach_view(self, pub: Publication, device: str) -> None:
+        """Detach a read-only view, after checking it still sits on our device."""
+        if pub.view and loops.backing_file(pub.view) == device:
+            loops.detach(pub.view)
 
     def _current_rdev(self, rec: VolumeRecord) -> int | None:
         ns = self.backend.get(rec.id)
@@ -222,12 +240,17 @@ class FsdaxNode:
                 os.makedirs(target, mode=0o750, exist_ok=True)
                 if mount_group is not None and not readonly:
                     filesystems.apply_group(source, mount_group)
-            elif created:
-                os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+            else:
+                if created:
+                    os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+                if readonly:
+                    pub.view = source = loops.attach(ns.device, readonly=True)
+                    self.store.put(rec)
             mounts.bind(source, target, readonly)
         except BaseException:
             if created:
                 _remove(target)
+            self._detach_view(pub, ns.device)
             rec.publications.pop(target, None)
             self.store.put(rec)
             raise
@@ -293,13 +316,15 @@ class FsdaxNode:
         pub = rec.publications.get(target)
         rdev = self._current_rdev(rec)
         if rdev is not None:
-            kind = pub.kind if pub is not None else None
-            for k in (kind,) if kind else (BLOCK, MOUNT):
-                probe = Publication(target=target, readonly=False, kind=k)
-                if self._ours(probe, rdev) is not None:
-                    self._umount(target)
-                    break
+            probes = [pub] if pub is not None else [
+                Publication(target=target, readonly=False, kind=k) for k in (BLOCK, MOUNT)]
+            if any(self._ours(p, rdev) is not None for p in probes):
+                self._umount(target)
         failpoints.hit(failpoints.UNPUBLISH_AFTER_UMOUNT)
+        if pub is not None and pub.view:
+            ns = self.backend.get(rec.id)
+            if ns is not None:
+                self._detach_view(pub, ns.device)
         if mounts.find(target) is None:
             _remove(target)
         rec.publications.pop(target, None)
@@ -307,7 +332,8 @@ class FsdaxNode:
         log.info("unpublished %s from %s", rec.id, target)
 
     def mounted_here(self, rec: VolumeRecord, target: str) -> bool:
-        """Whether ``target`` holds this volume even though no record says so."""
+        """Whether ``target`` holds this volume even though no record says so (a
+        read-only view without a record is not recognised: its record came first)."""
         rdev = self._current_rdev(rec)
         return rdev is not None and (self._device_bound(target, rdev) is not None
                                      or self._fs_mounted(target, rdev) is not None)
@@ -326,7 +352,8 @@ class FsdaxNode:
             st = os.stat(path)
         except FileNotFoundError as exc:
             raise NotFound(f"volume path {path} does not exist") from exc
-        if stat.S_ISBLK(st.st_mode) and st.st_rdev == rdev:
+        views = {self._view_rdev(p.view) for p in rec.publications.values() if p.view}
+        if stat.S_ISBLK(st.st_mode) and (st.st_rdev == rdev or st.st_rdev in views):
             return None
         if self._fs_mounted(path, rdev) is not None:
             return filesystems.usage(path)

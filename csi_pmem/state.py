@@ -42,6 +42,7 @@ class Publication:
     access_mode: str = ""
     kind: str = DAX
     staging: str = ""
+    view: str = ""  # read-only Block publication: the read-only loop device bound there
 
 
 @dataclass

@@ -28,16 +28,14 @@ import os
 import threading
 from pathlib import Path
 
-from csi_pmem import runner
+from csi_pmem import loops
 from csi_pmem.backends.base import Backend, Namespace, Pool
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
-    CommandError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    Unavailable,
 )
 from csi_pmem.sizes import REGION_ALIGN, devdax_usable, parse_quantity, round_down
 
@@ -208,12 +206,9 @@ class EmulatedBackend(Backend):
                 return node
         raise InvalidArgument(f"unknown pool {pool!r}")
 
-    def _loop_map(self) -> dict[str, str]:
-        out = runner.run_json(["losetup", "--list", "--json", "--output", "NAME,BACK-FILE"],
-                              timeout=30)
-        devices = out.get("loopdevices", []) if isinstance(out, dict) else []
-        return {d["back-file"].removesuffix(" (deleted)"): d["name"] for d in devices
-                if d.get("back-file")}
+    @staticmethod
+    def _loop_map() -> dict[str, str]:
+        return loops.backing_map()
 
     def _has_loops(self) -> bool:
         """Whether any namespace may sit on a loop device (skip losetup otherwise)."""
@@ -223,26 +218,14 @@ class EmulatedBackend(Backend):
 
     def _attach(self, path: Path, mode: str, usable: int) -> str:
         """Attach ``path`` to a free loop device; an fsdax one ends at the usable size."""
-        argv = ["losetup", "--find", "--show"]
-        if mode == "fsdax":
-            argv += ["--sizelimit", str(usable)]
         with self._lock:
             existing = self._loop_map().get(str(path))
             if existing:
                 return existing
-            try:
-                res = runner.run([*argv, str(path)], timeout=30)
-            except CommandError as exc:
-                raise Unavailable(
-                    f"cannot attach {path} to a loop device ({exc.stderr.strip() or exc}): "
-                    "the emulated back end needs loop devices (/dev/loop-control) for "
-                    "fsdax volumes; run the driver with access to the host's /dev") from exc
-            device = res.stdout.strip()
-            log.info("attached %s to %s", path, device)
-            return device
+            return loops.attach(str(path), sizelimit=usable if mode == "fsdax" else None)
 
     def _detach(self, path: str) -> None:
         with self._lock:
             device = self._loop_map().get(path)
             if device:
-                runner.run(["losetup", "--detach", device], timeout=30)
+                loops.detach(device)

@@ -157,13 +157,16 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
                framework: str = "torch", prefault: bool = False) -> LoadHandle:
     """Start loading a staged model; returns at once with a :class:`LoadHandle`.
 
-    ``volume``: a published volume directory, a devdax device or file path (mapped
-    read-only for this load, unmapped once its views are freed), an open
+    ``volume``: a published volume directory, a devdax device, an fsdax block device or
+    a file path (also a file on an fsdax file system; mapped read-only for this load,
+    unmapped once its views are freed), an open
     :class:`Volume` (keep it open across loads: that is what makes a registered mapping
     pay), or a :class:`ModelView`. ``names``/``predicate`` pick a
     subset (tensor parallelism). ``device="cpu"`` gives views of the mapping (torch, or
     numpy with ``framework="numpy"``); ``"cuda"``/``"cuda:N"`` copies through ``loader``
-    (default: one shared :class:`~csi_pmem.loader.gpu.GpuLoader` per device).
+    (default: one shared :class:`~csi_pmem.loader.gpu.GpuLoader` per device). fsdax
+    files and block devices always take the bounce path (``handle.path``); why is in
+    ``handle.view.volume.registration_refused_reason``.
     """
     if device != "cpu":
         if not device.startswith("cuda"):

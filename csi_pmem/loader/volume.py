@@ -251,16 +251,14 @@ def mount_of(path: str | None, mounts: Iterable[MountInfo], dev: str = "") -> Mo
     among mounts on the same point the last listed, the one on top.
 
     ``dev`` (the file's ``st_dev`` as "major:minor") keeps only mounts of that file
-    system where mountinfo names devices, which guards against a path that was mounted
-    over after the file was opened; with no ``path``, or none of those mounts above
-    it, any mount of that file system answers (the DAX options belong to the file
-    system, not to one mount of it).
+    system, which guards against a path that was mounted over after the file was
+    opened; with no ``path``, or none of those mounts above it, any mount of that file
+    system answers (the DAX options belong to the file system, not to one mount of it).
     """
     found, depth, same_fs = None, -1, None
     for m in mounts:
-        mdev = getattr(m, "dev", "")
-        if dev and mdev:
-            if mdev != dev:
+        if dev and m.dev:
+            if m.dev != dev:
                 continue
             same_fs = m
         if path is None:
@@ -413,8 +411,9 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
         if not os.path.exists(sock):
             raise VolumeError(
                 f"{path} is a directory without {daxclient.SOCKET_NAME}: not a published "
-                "csi-pmem devdax volume (pass the volume's mount directory, a devdax "
-                "device or a file)")
+                "csi-pmem devdax volume (pass a devdax volume's mount directory, a devdax "
+                "or fsdax block device, or a file: on an fsdax file system volume, the "
+                "weights file in it)")
         fd, meta = _from_socket(sock, writable, timeout)
         if meta.get("numa_node") is None:
             meta["numa_node"] = _volume_json(path).get("numa_node")

@@ -19,12 +19,20 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache_root="${CSI_PMEM_CACHE:-${HOME}/.cache/csi-pmem}/vm"
-# Host packages: QEMU, the guest-side tools (the guest runs the host's ndctl), busybox
-# for the initramfs, kmod for depmod.
-HOST_PACKAGES=(qemu-system-x86 ndctl daxctl busybox-static kmod)
+# Host packages: QEMU, the guest-side tools (the guest runs the host's ndctl, and the
+# driver runs the host's blkid, mkfs.ext4 and mkfs.xfs for fsdax volumes), busybox for
+# the initramfs, kmod for depmod.
+HOST_PACKAGES=(qemu-system-x86 ndctl daxctl e2fsprogs xfsprogs util-linux busybox-static kmod)
 # What the guest needs as modules on Debian's kernel (the rest is built in); their
-# dependencies come from modules.dep.
-MODULES=(virtio_pci 9pnet_virtio 9p overlay libnvdimm nfit nd_btt nd_pmem dax_pmem device_dax)
+# dependencies come from modules.dep. Debian's 6.1 builds ext4 and xfs as modules
+# (CONFIG_EXT4_FS=m, CONFIG_XFS_FS=m; FS_DAX is built in). modules.dep brings jbd2,
+# mbcache, crc16 and libcrc32c, but not the crc32c implementation that ext4/jbd2
+# (metadata_csum) and libcrc32c ask the crypto API for at load or mount time: that is
+# only a softdep ("crypto-crc32c"), and the initramfs has no modprobe to resolve it, so
+# crc32c_generic is listed before them. (crc32c-intel needs SSE4.2, which the qemu64
+# CPU model lacks.)
+MODULES=(virtio_pci 9pnet_virtio 9p overlay libnvdimm nfit nd_btt nd_pmem dax_pmem device_dax
+         crc32c_generic ext4 xfs)
 
 say() { echo "vm-prepare: $*" >&2; }
 

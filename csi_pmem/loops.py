@@ -1,0 +1,58 @@
+"""Loop devices, through ``losetup`` (argv, timeouts, JSON listing).
+
+Why: two parts of the driver need block devices that the kernel enforces: the emulated
+back end turns backing files into real block devices (fsdax emulation, device-cgroup
+tests), and a read-only fsdax Block publication is a read-only loop device over the
+namespace, since binding a device node onto a read-only mount does not stop anyone
+from writing to the device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from csi_pmem import runner
+from csi_pmem.errors import CommandError, Unavailable
+
+log = logging.getLogger(__name__)
+TIMEOUT = 30
+
+
+def backing_map() -> dict[str, str]:
+    """{backing file or device: loop device} for every attached loop device."""
+    out = runner.run_json(["losetup", "--list", "--json", "--output", "NAME,BACK-FILE"],
+                          timeout=TIMEOUT)
+    devices = out.get("loopdevices", []) if isinstance(out, dict) else []
+    return {d["back-file"].removesuffix(" (deleted)"): d["name"] for d in devices
+            if d.get("back-file")}
+
+
+def backing_file(device: str) -> str | None:
+    """What ``device`` is attached to (None if it is not an attached loop device)."""
+    for back, name in backing_map().items():
+        if name == device:
+            return back
+    return None
+
+
+def attach(path: str, *, readonly: bool = False, sizelimit: int | None = None) -> str:
+    argv = ["losetup", "--find", "--show"]
+    if readonly:
+        argv.append("--read-only")
+    if sizelimit is not None:
+        argv += ["--sizelimit", str(sizelimit)]
+    try:
+        res = runner.run([*argv, path], timeout=TIMEOUT)
+    except CommandError as exc:
+        raise Unavailable(
+            f"cannot attach {path} to a loop device ({exc.stderr.strip() or exc}): the "
+            "driver needs loop devices (/dev/loop-control) for this; run it with access "
+            "to the host's /dev") from exc
+    device = res.stdout.strip()
+    log.info("attached %s to %s%s", path, device, " read-only" if readonly else "")
+    return device
+
+
+def detach(device: str) -> None:
+    runner.run(["losetup", "--detach", device], timeout=TIMEOUT)
+    log.info("detached %s", device)
