@@ -36,14 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--limit", default="0", help="maximum size (0: none)")
     c.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
                    help="StorageClass parameter (deviceMode, numaNode, align, eraseOnDelete)")
+    _access_flags(c)
     vsub.add_parser("list", help="ListVolumes")
     d = vsub.add_parser("delete", help="DeleteVolume")
     d.add_argument("volume_id")
-    p = vsub.add_parser("publish", help="NodePublishVolume (mounts volume.json and dax.sock)")
+    p = vsub.add_parser("publish", help="NodePublishVolume (devdax: mounts volume.json and "
+                        "dax.sock; fsdax: binds the device or the staged file system)")
     p.add_argument("volume_id")
     p.add_argument("target")
     p.add_argument("--readonly", action="store_true")
     p.add_argument("--pod-uid", default="", help="only processes of this pod may get the fd")
+    p.add_argument("--staging", default="", help="staging path of an fsdax file system")
+    _access_flags(p)
+    st = vsub.add_parser("stage", help="NodeStageVolume (fsdax: mkfs once, mount with -o dax)")
+    st.add_argument("volume_id")
+    st.add_argument("staging")
+    _access_flags(st)
+    ust = vsub.add_parser("unstage", help="NodeUnstageVolume")
+    ust.add_argument("volume_id")
+    ust.add_argument("staging")
     u = vsub.add_parser("unpublish", help="NodeUnpublishVolume")
     u.add_argument("volume_id")
     u.add_argument("target")
@@ -57,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("target")
     vsub.add_parser("info", help="GetPluginInfo, Probe and NodeGetInfo")
     return ap
+
+
+def _access_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block", action="store_true",
+                        help="block access type (fsdax volumes only)")
+    parser.add_argument("--fs-type", default="", help="fsdax file system: ext4 (default) or xfs")
 
 
 def main(argv: list[str] | None = None) -> int:

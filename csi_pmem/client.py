@@ -31,11 +31,16 @@ def _params(items: list[str]) -> dict[str, str]:
     return out
 
 
-def _cap(readonly: bool = False) -> csi_pb2.VolumeCapability:
+def _cap(readonly: bool = False, args: argparse.Namespace | None = None,
+         ) -> csi_pb2.VolumeCapability:
+    """A mount capability (devdax, or an fsdax file system with --fs-type), or block."""
+    mode = Mode(mode=Mode.SINGLE_NODE_READER_ONLY if readonly else Mode.SINGLE_NODE_WRITER)
+    if args is not None and getattr(args, "block", False):
+        return csi_pb2.VolumeCapability(block=csi_pb2.VolumeCapability.BlockVolume(),
+                                        access_mode=mode)
+    fs_type = getattr(args, "fs_type", "") if args is not None else ""
     return csi_pb2.VolumeCapability(
-        mount=csi_pb2.VolumeCapability.MountVolume(),
-        access_mode=Mode(mode=Mode.SINGLE_NODE_READER_ONLY if readonly
-                         else Mode.SINGLE_NODE_WRITER))
+        mount=csi_pb2.VolumeCapability.MountVolume(fs_type=fs_type or ""), access_mode=mode)
 
 
 def _dict(msg) -> dict:
@@ -76,7 +81,7 @@ def _call(args: argparse.Namespace, channel: grpc.Channel) -> dict | None:
         rng = csi_pb2.CapacityRange(required_bytes=parse_quantity(args.size),
                                     limit_bytes=parse_quantity(args.limit))
         resp = ctl.CreateVolume(csi_pb2.CreateVolumeRequest(
-            name=args.name, capacity_range=rng, volume_capabilities=[_cap()],
+            name=args.name, capacity_range=rng, volume_capabilities=[_cap(args=args)],
             parameters=_params(args.param)), timeout=t)
         return _dict(resp.volume)
     if args.action == "list":
@@ -94,9 +99,21 @@ def _call(args: argparse.Namespace, channel: grpc.Channel) -> dict | None:
         ctx = {"csi.storage.k8s.io/pod.uid": args.pod_uid} if args.pod_uid else {}
         node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
             volume_id=args.volume_id, target_path=os.path.abspath(args.target),
-            volume_capability=_cap(args.readonly), readonly=args.readonly,
-            volume_context=ctx), timeout=t)
+            volume_capability=_cap(args.readonly, args), readonly=args.readonly,
+            volume_context=ctx,
+            staging_target_path=os.path.abspath(args.staging) if args.staging else ""),
+            timeout=t)
         return {"published": args.volume_id, "target": os.path.abspath(args.target)}
+    if args.action == "stage":
+        node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
+            volume_id=args.volume_id, staging_target_path=os.path.abspath(args.staging),
+            volume_capability=_cap(False, args)), timeout=t)
+        return {"staged": args.volume_id, "staging": os.path.abspath(args.staging)}
+    if args.action == "unstage":
+        node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(
+            volume_id=args.volume_id, staging_target_path=os.path.abspath(args.staging)),
+            timeout=t)
+        return {"unstaged": args.volume_id}
     if args.action == "unpublish":
         node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
             volume_id=args.volume_id, target_path=os.path.abspath(args.target)), timeout=t)

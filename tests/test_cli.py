@@ -54,3 +54,26 @@ def test_errors_are_one_line_with_the_code(driver):
         res = cli(driver, *args)
         assert res.returncode == 2 and needle in res.stderr, res.stderr
         assert "Traceback" not in res.stderr
+
+
+def test_fsdax_walkthrough(driver):
+    vol = ok(driver, "create", "scratch", "--size", "64Mi", "-p", "deviceMode=fsdax",
+             "--fs-type", "ext4")
+    vid = vol["volume_id"]
+    assert vol["volume_context"]["deviceMode"] == "fsdax"
+    staging, target = driver.staging("scratch"), driver.target("fs")
+    ok(driver, "stage", vid, staging)
+    ok(driver, "publish", vid, target, "--staging", staging)
+    with open(os.path.join(target, "hello"), "w") as f:
+        f.write("hello")
+    usage = {u["unit"]: u for u in ok(driver, "stats", vid, target)["usage"]}
+    assert int(usage["BYTES"]["used"]) > 0 and "INODES" in usage
+    ok(driver, "unpublish", vid, target)
+    ok(driver, "unstage", vid, staging)
+    os.makedirs(driver.kubelet / "blk", exist_ok=True)
+    device = str(driver.kubelet / "blk" / "dev")
+    ok(driver, "publish", vid, device, "--block")
+    with open(device, "rb") as f:
+        assert f.read(4096) != b"\0" * 4096  # the ext4 made above is on the device
+    ok(driver, "unpublish", vid, device)
+    ok(driver, "delete", vid)
