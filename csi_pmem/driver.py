@@ -337,6 +337,14 @@ class Driver:
             raise NotFound(f"volume {vid!r} does not exist on node {self.config.node_id}")
         return rec
 
+    def device_mode(self, vid: str) -> str:
+        """The device mode of ``vid`` in any state, for validating node requests before
+        the in-flight slot is taken (a busy volume must still answer ABORTED)."""
+        rec = self.store.get(vid) if is_volume_id(vid) else None
+        if rec is None:
+            raise NotFound(f"volume {vid!r} does not exist on node {self.config.node_id}")
+        return rec.device_mode
+
     def list_volumes(self) -> list[VolumeRecord]:
         return [r for r in self.store.all() if r.state == READY]
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from csi_pmem.csi import csi_pb2, csi_pb2_grpc
 
-from conftest import DriverProcess, MiB, Mode, mount_cap, needs_root
+from conftest import DriverProcess, MiB, Mode, block_cap, mount_cap, needs_root
 
 pytestmark = needs_root()
 
@@ -885,6 +885,31 @@ def id_and_target(draw, target_kinds):
     return vid, target
 
 
+@settings_for(80)
+@given(case=id_and_target(targets), cap=st.one_of(st.none(), capabilities))
+@example(case=((SPARE_ID, "spare"), ("fresh", "x")), cap=(block_cap(), False))
+@example(case=(("", "empty"), ("fresh", "x")), cap=None)
+def test_node_stage_and_unstage_volume(env, case, cap):
+    """devdax volumes stage as a validated no-op; NodeUnstage only needs its fields.
+    (fsdax staging, with real file systems, is in tests/test_fsdax.py.)"""
+    (vid, id_kind), (target_kind, text) = case
+    target = env.target_for(target_kind, text)
+    vid = env.real(vid)
+    req = csi_pb2.NodeStageVolumeRequest(volume_id=vid, staging_target_path=target)
+    if cap is not None:
+        req.volume_capability.CopyFrom(cap[0])
+    result = env.call(env.d.node.NodeStageVolume, req)
+    defects = id_defects(id_kind)
+    if target_kind == "empty" or cap is None or not cap[1] or target_kind in TARGET_KINDS_IA:
+        defects.add(IA)
+    expect(result, defects, {C.OK})
+    done = env.call(env.d.node.NodeUnstageVolume, csi_pb2.NodeUnstageVolumeRequest(
+        volume_id=vid, staging_target_path=target))
+    defects = id_defects(id_kind) | ({IA} if target_kind == "empty" else set())
+    expect(done, defects, {C.OK})
+    env.check_intact()
+
+
 @settings_for(100)
 @given(case=id_and_target(targets))
 @example(case=(("", "empty"), ("fresh", "x")))
@@ -947,8 +972,6 @@ UNIMPLEMENTED = [
     ("Controller", "GetSnapshot", csi_pb2.GetSnapshotRequest),
     ("Controller", "ControllerExpandVolume", csi_pb2.ControllerExpandVolumeRequest),
     ("Controller", "ControllerModifyVolume", csi_pb2.ControllerModifyVolumeRequest),
-    ("Node", "NodeStageVolume", csi_pb2.NodeStageVolumeRequest),
-    ("Node", "NodeUnstageVolume", csi_pb2.NodeUnstageVolumeRequest),
     ("Node", "NodeExpandVolume", csi_pb2.NodeExpandVolumeRequest),
     ("GroupController", "GroupControllerGetCapabilities",
      csi_pb2.GroupControllerGetCapabilitiesRequest),
@@ -993,7 +1016,8 @@ def test_unimplemented_rpcs(driver_factory):
     ncaps = {c.rpc.type for c in d.node.NodeGetCapabilities(
         csi_pb2.NodeGetCapabilitiesRequest()).capabilities}
     NRPC = csi_pb2.NodeServiceCapability.RPC
-    assert not ncaps & {NRPC.STAGE_UNSTAGE_VOLUME, NRPC.EXPAND_VOLUME}
+    assert not ncaps & {NRPC.EXPAND_VOLUME}
+    assert NRPC.STAGE_UNSTAGE_VOLUME in ncaps  # implemented: fsdax file systems
     d.delete(vol)
 
 

@@ -12,6 +12,7 @@ from csi_pmem.csi import csi_pb2, csi_pb2_grpc
 from csi_pmem.driver import Driver
 from csi_pmem.errors import InvalidArgument
 from csi_pmem.fsdax_node import Access
+from csi_pmem.params import FSDAX
 from csi_pmem.servicers.capabilities import READ_ONLY_MODES, fs_type, mode_name, require_valid
 from csi_pmem.servicers.rpc import rpc
 from csi_pmem.state import BLOCK, MOUNT
@@ -41,10 +42,12 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     def _access(self, volume_id: str, cap) -> Access:
         """Validate ``cap`` against the volume's device mode; what it asks for."""
-        rec = self.driver.get(volume_id)
-        require_valid([cap], rec.device_mode)
+        device_mode = self.driver.device_mode(volume_id)
+        require_valid([cap], device_mode)
         if cap.WhichOneof("access_type") == "block":
             return Access(kind=BLOCK)
+        if device_mode != FSDAX:
+            return Access(kind=MOUNT)  # a devdax tmpfs takes no file system options
         flags = tuple(cap.mount.mount_flags)
         bad = [f for f in flags if not f or "," in f or "\x00" in f]
         if bad:
