@@ -466,21 +466,7 @@ class Driver:
             raise FailedPrecondition(
                 f"target {target} is already a mount point ({current.fstype} from "
                 f"{current.source}); refusing to mount over it")
-        if os.path.lexists(target):
-            if not os.path.isdir(target) or os.path.islink(target):
-                raise FailedPrecondition(f"target {target} exists and is not a directory")
-            if not mounts.is_dir_empty(target):
-                raise FailedPrecondition(
-                    f"target {target} is a non-empty directory; mounting over it would hide "
-                    "its contents")
-            return
-        # It will be created: the nearest existing ancestor must be a directory.
-        ancestor = os.path.dirname(target)
-        while not os.path.lexists(ancestor):
-            ancestor = os.path.dirname(ancestor)
-        if not os.path.isdir(ancestor):
-            raise FailedPrecondition(
-                f"target {target} cannot be created: {ancestor} is not a directory")
+        mounts.check_dir_target(target)
 
     def _metadata(self, rec: VolumeRecord, pub: Publication) -> dict:
         return {"volume_id": rec.id, "device": rec.device, "numa_node": rec.numa_node,

@@ -279,20 +279,7 @@ class FsdaxNode:
             raise FailedPrecondition(
                 f"target {target} is already a mount point ({current.fstype} from "
                 f"{current.source}); refusing to mount over it")
-        if os.path.lexists(target):
-            if not os.path.isdir(target) or os.path.islink(target):
-                raise FailedPrecondition(f"target {target} exists and is not a directory")
-            if not mounts.is_dir_empty(target):
-                raise FailedPrecondition(
-                    f"target {target} is a non-empty directory; mounting over it would hide "
-                    "its contents")
-        else:
-            ancestor = os.path.dirname(target)  # created below it: must be a directory
-            while not os.path.lexists(ancestor):
-                ancestor = os.path.dirname(ancestor)
-            if not os.path.isdir(ancestor):
-                raise FailedPrecondition(
-                    f"target {target} cannot be created: {ancestor} is not a directory")
+        mounts.check_dir_target(target)
 
     @staticmethod
     def _check_file_target(target: str) -> None:

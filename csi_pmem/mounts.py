@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 from csi_pmem import runner
+from csi_pmem.errors import FailedPrecondition
 
 SOURCE_PREFIX = "csi-pmem:"
 TMPFS_SIZE = "1m"
@@ -136,6 +137,28 @@ def bind(source: str, target: str, readonly: bool) -> None:
 def dev_of(rdev: int) -> str:
     """The ``major:minor`` text mountinfo uses for a device number."""
     return f"{os.major(rdev)}:{os.minor(rdev)}"
+
+
+def check_dir_target(target: str) -> None:
+    """A mount target must be an empty directory, or creatable below a directory.
+
+    Mounting over a non-empty directory would hide its contents from whoever owns them.
+    Raises FailedPrecondition naming what is in the way.
+    """
+    if os.path.lexists(target):
+        if not os.path.isdir(target) or os.path.islink(target):
+            raise FailedPrecondition(f"target {target} exists and is not a directory")
+        if not is_dir_empty(target):
+            raise FailedPrecondition(
+                f"target {target} is a non-empty directory; mounting over it would hide "
+                "its contents")
+        return
+    ancestor = os.path.dirname(target)  # it will be created: the nearest existing
+    while not os.path.lexists(ancestor):  # ancestor must be a directory
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise FailedPrecondition(
+            f"target {target} cannot be created: {ancestor} is not a directory")
 
 
 def is_dir_empty(path: str) -> bool:

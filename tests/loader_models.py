@@ -187,3 +187,34 @@ def fake_mountinfo(path: Path, mounts: list[tuple[str, str, str, str]],
                      f"{fstype} {source} {options}")
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def reference(directory: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the model's safetensors files, read by safetensors itself."""
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def assert_same(got: dict, ref: dict) -> None:
+    """Same names, dtypes, shapes and bytes as ``ref`` (numpy arrays)."""
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert got[k].dtype == v.dtype, k
+        assert got[k].shape == v.shape, k
+        assert got[k].tobytes() == v.tobytes(), k
+
+
+@contextlib.contextmanager
+def shm_scratch(tmp_path: Path, prefix: str) -> Iterator[Path]:
+    """A scratch directory on tmpfs when there is one (what an emulated volume lives on)."""
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
+    d = base / f"{prefix}-{os.getpid()}-{tmp_path.name}"
+    d.mkdir()
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 from csi_pmem.loader import (
     AlignmentError,
@@ -47,29 +46,15 @@ MiB = lm.MiB
 
 @pytest.fixture
 def shm(tmp_path):
-    """A scratch directory on tmpfs when there is one (like an emulated volume)."""
-    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
-    d = base / f"csi-pmem-loader-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    for p in sorted(d.rglob("*"), reverse=True):
-        p.rmdir() if p.is_dir() else p.unlink()
-    d.rmdir()
+    with lm.shm_scratch(tmp_path, "csi-pmem-loader") as d:
+        yield d
 
 
-def reference(directory: Path) -> dict[str, np.ndarray]:
-    out = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
-def assert_same(got: dict, ref: dict) -> None:
-    assert set(got) == set(ref)
-    for k, v in ref.items():
-        assert got[k].dtype == v.dtype, k
-        assert got[k].shape == v.shape, k
-        assert got[k].tobytes() == v.tobytes(), k
+
+
+
 
 
 # --- correctness -------------------------------------------------------------------
@@ -77,7 +62,7 @@ def assert_same(got: dict, ref: dict) -> None:
 def test_dtypes_and_empty_tensors_match_safetensors(shm):
     lm.save_numpy_model(shm / "src", lm.numpy_tensors())
     vol = lm.staged_volume(shm / "src", shm / "vol")
-    assert_same(load_numpy(str(vol)), reference(shm / "src"))
+    lm.assert_same(load_numpy(str(vol)), lm.reference(shm / "src"))
 
 
 def test_cpu_views_are_backed_by_the_read_only_mapping(shm):
@@ -89,7 +74,7 @@ def test_cpu_views_are_backed_by_the_read_only_mapping(shm):
         assert v.address <= arr.ctypes.data < v.address + v.size  # no copy
         assert not arr.flags.writeable
     # The arrays outlive close(): the mapping goes when they do.
-    assert arr.sum() == reference(shm / "src")["f32"].sum()
+    assert arr.sum() == lm.reference(shm / "src")["f32"].sum()
 
 
 def test_bf16_fp8_and_unaligned_tensors_are_raw_views(shm):
@@ -110,22 +95,22 @@ def test_bf16_fp8_and_unaligned_tensors_are_raw_views(shm):
 def test_many_small_tensors(shm):
     lm.many_small_model(shm / "src", 2000)
     vol = lm.staged_volume(shm / "src", shm / "vol")
-    assert_same(load_numpy(str(vol)), reference(shm / "src"))
+    lm.assert_same(load_numpy(str(vol)), lm.reference(shm / "src"))
 
 
 def test_one_large_tensor(shm):
     lm.large_model(shm / "src", 64 * MiB)
     vol = lm.staged_volume(shm / "src", shm / "vol", size=96 * MiB)
     got = load_numpy(str(vol), verify=True)
-    ref = reference(shm / "src")
+    ref = lm.reference(shm / "src")
     assert got["big"].nbytes == 64 * MiB
-    assert_same(got, ref)
+    lm.assert_same(got, ref)
 
 
 def test_sharded_model_subsets_and_futures(shm):
     ref = lm.sharded_model(shm / "src")
     vol = lm.staged_volume(shm / "src", shm / "vol")
-    assert_same(load_numpy(str(vol)), ref)
+    lm.assert_same(load_numpy(str(vol)), ref)
     subset = load_numpy(str(vol), predicate=lambda n: n.startswith("layers.1."))
     assert set(subset) == {k for k in ref if k.startswith("layers.1.")}
     names = ["layers.0.0.weight", "layers.2.3.weight"]
@@ -179,7 +164,7 @@ def test_two_models_on_one_volume(shm):
         stage(v, str(shm / "b"))
     with pytest.raises(NoModelError, match="several models"):
         load_numpy(str(shm / "vol"))
-    assert_same(load_numpy(str(shm / "vol"), model="b"), reference(shm / "b"))
+    lm.assert_same(load_numpy(str(shm / "vol"), model="b"), lm.reference(shm / "b"))
 
 
 # --- bad input ---------------------------------------------------------------------
@@ -218,7 +203,7 @@ def test_corrupt_or_truncated_index_is_refused(shm):
             stage(v, str(shm / "src"))
     with open_volume(vol, writable=True) as v:
         stage(v, str(shm / "src"), replace=True)
-    assert_same(load_numpy(str(vol)), reference(shm / "src"))
+    lm.assert_same(load_numpy(str(vol)), lm.reference(shm / "src"))
 
 
 def test_foreign_data_is_not_an_index(shm):
@@ -356,7 +341,7 @@ def test_interrupted_stage_is_not_trusted_and_resumes(shm, monkeypatch):
     with open_volume(shm / "vol", writable=True) as v:
         result = stage(v, str(shm / "src"))
     assert result.reused == sum(f.length for f in entry.files if f.name in done_before)
-    assert_same(load_numpy(str(shm / "vol")), reference(shm / "src"))
+    lm.assert_same(load_numpy(str(shm / "vol")), lm.reference(shm / "src"))
 
 
 def test_resume_recopies_a_done_file_that_was_damaged(shm, monkeypatch):
@@ -382,7 +367,7 @@ def test_resume_recopies_a_done_file_that_was_damaged(shm, monkeypatch):
     with open_volume(shm / "vol", writable=True) as v:
         result = stage(v, str(shm / "src"))
     assert result.copied >= first.length
-    assert_same(load_numpy(str(shm / "vol"), verify=True), reference(shm / "src"))
+    lm.assert_same(load_numpy(str(shm / "vol"), verify=True), lm.reference(shm / "src"))
 
 
 def test_source_changes_restart_the_plan(shm, monkeypatch):

@@ -14,9 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 from csi_pmem.loader import (
     VolumeError,
@@ -42,28 +40,15 @@ needs_loop = pytest.mark.skipif(not lm.can_make_loop_devices(),
 
 @pytest.fixture
 def shm(tmp_path):
-    """A scratch directory on tmpfs when there is one (like an emulated volume)."""
-    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
-    d = base / f"csi-pmem-fsdax-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    for p in sorted(d.rglob("*"), reverse=True):
-        p.rmdir() if p.is_dir() else p.unlink()
-    d.rmdir()
+    with lm.shm_scratch(tmp_path, "csi-pmem-fsdax") as d:
+        yield d
 
 
-def reference(directory: Path) -> dict[str, np.ndarray]:
-    out = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
-def assert_same(got: dict, ref: dict) -> None:
-    assert set(got) == set(ref)
-    for k, v in ref.items():
-        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
-        assert got[k].tobytes() == v.tobytes(), k
+
+
+
 
 
 def refusal(path: Path, mounts: list[MountInfo] | None = None) -> str | None:
@@ -169,10 +154,10 @@ def test_open_volume_records_the_refusal_and_loads_on_the_cpu(shm, tmp_path, mon
         for mode in (AUTO, REGISTERED, BOUNCE):
             for loads in (1, 2, 3):
                 assert choose_path(mode, v, loads, False, 2) == (BOUNCE, reason)
-        assert_same(load_numpy(v), reference(shm / "src"))
+        lm.assert_same(load_numpy(v), lm.reference(shm / "src"))
     handle = start_load(str(vol), "cpu", framework="numpy")
     assert handle.view.volume.registration_refused_reason == reason
-    assert_same(handle.result(), reference(shm / "src"))
+    lm.assert_same(handle.result(), lm.reference(shm / "src"))
 
 
 def test_a_failed_registration_is_remembered():
@@ -218,7 +203,7 @@ def test_a_model_staged_on_a_block_device_loads_byte_exact(shm, loop):
         assert v.size == 32 * MiB
         result = stage(v, str(shm / "src"), name="llm")
         assert result.copied > 0
-    assert_same(load_numpy(loop, verify=True), ref)
+    lm.assert_same(load_numpy(loop, verify=True), ref)
     handle = start_load(loop, "cpu", framework="numpy",
                         predicate=lambda n: n.startswith("layers.1."))
     assert set(handle.result()) == {k for k in ref if k.startswith("layers.1.")}
@@ -234,7 +219,7 @@ def test_a_model_staged_on_a_block_device_loads_byte_exact(shm, loop):
     assert lm.tree_digest(shm / "out") == lm.tree_digest(shm / "src")
     # The bytes went through the device into its backing file.
     with open_volume(shm / "backing.img", align=MiB) as v:
-        assert_same(load_numpy(v), ref)
+        lm.assert_same(load_numpy(v), ref)
 
 
 @needs_loop

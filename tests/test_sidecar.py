@@ -49,6 +49,13 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "deploy" / "examples"
 
 
+@pytest.fixture
+def shm(tmp_path):
+    with lm.shm_scratch(tmp_path, "csi-pmem-sidecar") as d:
+        yield d
+
+
+
 # --- models and volumes -----------------------------------------------------------------
 
 def make_model(directory: Path, shards: int = 4, shard_bytes: int = 2 * MiB,
@@ -91,14 +98,6 @@ def exported(volume: Path | str, dest: Path, name: str = "m") -> dict[str, bytes
     return lm.tree_digest(dest)
 
 
-@pytest.fixture
-def shm(tmp_path):
-    """Scratch space on tmpfs when there is one (what an emulated volume lives on)."""
-    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
-    d = base / f"csi-pmem-sidecar-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 # --- a sidecar process ------------------------------------------------------------------
