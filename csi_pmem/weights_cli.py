@@ -3,8 +3,10 @@ run the staging sidecar (``sidecar``: see :mod:`csi_pmem.loader.sidecar`).
 
 Why a CLI beside the library: staging is an operator's (or a sidecar's) job, and it
 must say clearly why it refuses (too small, read-only, corrupt) and how far it got.
-VOLUME is a published volume directory (with ``dax.sock``), a devdax device, or a plain
-file (tmpfs, hugetlbfs, an emulated volume's backing file).
+VOLUME is a published volume directory (with ``dax.sock``), a devdax device, an fsdax
+block device, a plain file (tmpfs, hugetlbfs, an emulated volume's backing file), or any
+other directory, such as an fsdax file system volume's mount: its volume is then the
+image file ``csi-pmem-weights.img`` in it, which ``stage`` creates and grows to fit.
 
 Exit codes: 0 success, 1 error, 2 usage, 3 checksum mismatches found by ``verify``.
 """
@@ -20,7 +22,7 @@ import time
 
 from csi_pmem.loader import errors, sidecar, staging
 from csi_pmem.loader.layout import INDEX_AREA, read_index
-from csi_pmem.loader.volume import MiB, format_size, open_volume
+from csi_pmem.loader.volume import MiB, format_size, open_volume, volume_image
 
 EXIT_ERROR, EXIT_MISMATCH = 1, 3
 _UNITS = {"": 1, "K": 1 << 10, "KI": 1 << 10, "M": MiB, "MI": MiB, "G": 1 << 30,
@@ -65,8 +67,8 @@ class Progress:
 
 def _plain_file(path: str, size: int | None) -> None:
     """Create or grow a plain-file volume when --size is given (tmpfs, hugetlbfs)."""
-    if size is None:
-        return
+    if size is None or volume_image(path) is not None:
+        return  # a directory volume's image is sized by open_for_staging
     if os.path.exists(path) and not os.path.isfile(path):
         raise errors.VolumeError(f"--size applies to plain files only; {path} is not one")
     with open(path, "ab") as f:
@@ -77,19 +79,20 @@ def _plain_file(path: str, size: int | None) -> None:
 def cmd_stage(args: argparse.Namespace) -> int:
     _plain_file(args.volume, args.size)
     progress = Progress("stage", args.quiet)
-    with open_volume(args.volume, writable=True, align=args.align) as vol:
+    with staging.open_for_staging(args.volume, align=args.align, size=args.size) as vol:
         result = staging.stage(vol, args.src, name=args.name, revision=args.revision,
                                replace=args.replace, threads=args.threads, progress=progress)
+        image = f" (image {vol.image}, {format_size(vol.size)})" if vol.image else ""
     progress.end()
     m = result.model
     if result.already:
         print(f"{m.label()} is already staged on {args.volume} ({format_size(m.size)}); "
-              "nothing copied")
+              f"nothing copied{image}")
     else:
         rate = result.copied / max(result.seconds, 1e-9) / 1e9
         print(f"staged {m.label()}: {len(m.files)} files, {format_size(m.size)} "
               f"({format_size(result.copied)} copied, {format_size(result.reused)} reused "
-              f"after verification) in {result.seconds:.1f} s ({rate:.2f} GB/s)")
+              f"after verification) in {result.seconds:.1f} s ({rate:.2f} GB/s){image}")
     return 0
 
 
@@ -110,10 +113,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     with open_volume(args.volume) as vol:
         index = read_index(vol)
-        size, align = vol.size, vol.align
+        size, align, image = vol.size, vol.align, vol.image
     models = index.models if index else []
     if args.json:
-        doc = {"volume": args.volume, "size": size, "align": align,
+        doc = {"volume": args.volume, "image": image, "size": size, "align": align,
                "generation": index.generation if index else 0,
                "models": [m.to_json() | {"digests": {f.name: f.digest for f in m.files}}
                           for m in models]}
@@ -123,7 +126,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=1))
         return 0
     used = max([INDEX_AREA] + [m.end for m in models])
-    print(f"{args.volume}: {format_size(size)}, align {format_size(align)}, "
+    where = f"{args.volume} (image {image})" if image else args.volume
+    print(f"{where}: {format_size(size)}, align {format_size(align)}, "
           f"{format_size(size - used)} free")
     if not models:
         print("  (no model staged)")
@@ -185,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--revision", default="", help="revision recorded with the model")
     s.add_argument("--replace", action="store_true",
                    help="discard everything on the volume first")
-    s.add_argument("--size", type=parse_size, help="create/grow a plain-file VOLUME to SIZE")
+    s.add_argument("--size", type=parse_size,
+                   help="create/grow a plain-file VOLUME (or a directory VOLUME's image "
+                        "file) to at least SIZE")
     s.add_argument("--align", type=parse_size, help="override the volume align")
     common(s, model=False)
     s.set_defaults(func=cmd_stage)

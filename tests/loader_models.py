@@ -173,6 +173,40 @@ def loop_device(backing: Path) -> Iterator[str]:
                        timeout=30)
 
 
+def can_mount() -> bool:
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+@contextlib.contextmanager
+def tmpfs(point: Path, size: int) -> Iterator[Path]:
+    """A tmpfs of ``size`` bytes mounted at ``point`` (root only): a small file system
+    that really runs out of space."""
+    point.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                   check=True, capture_output=True, timeout=30)
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False, capture_output=True,
+                       timeout=30)
+
+
+@contextlib.contextmanager
+def read_only_bind(directory: Path, point: Path) -> Iterator[Path]:
+    """``directory`` bind-mounted read-only at ``point`` (root only), as kubelet binds a
+    read-only publish."""
+    point.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(directory), str(point)], check=True,
+                   capture_output=True, timeout=30)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(point)], check=True,
+                       capture_output=True, timeout=30)
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False, capture_output=True,
+                       timeout=30)
+
+
 def fake_mountinfo(path: Path, mounts: list[tuple[str, str, str, str]],
                    dev_of: Path | None = None, dev: str = "254:0") -> Path:
     """Write a mountinfo file: (mount point, fstype, source, super options) per mount,

@@ -1,16 +1,22 @@
 """The loader through a real published volume: the driver's dax.sock hands out the fd,
 ``csi-pmem-weights stage`` writes through a read-write publish, a read-only publish
-loads (and refuses staging), and the NUMA node comes from the volume's metadata."""
+loads (and refuses staging), and the NUMA node comes from the volume's metadata. An
+fsdax ``Filesystem`` volume (ext4 on a loop device with the emulated back end) takes the
+same commands at its mount path: the weights go into the image file there."""
 
 from __future__ import annotations
+
+import gc
+import os
 
 from safetensors.numpy import load_file
 
 from csi_pmem import weights_cli
-from csi_pmem.loader import ReadOnlyVolumeError, load_numpy, open_volume
+from csi_pmem.loader import ReadOnlyVolumeError, layout, load_numpy, open_volume, staging
+from csi_pmem.loader.volume import IMAGE_NAME, format_size
 
 import loader_models as lm
-from conftest import MiB, needs_root
+from conftest import MiB, mount_cap, needs_root
 
 pytestmark = needs_root()
 
@@ -48,3 +54,78 @@ def test_stage_and_load_through_a_published_volume(driver, tmp_path, capsys):
     finally:
         driver.unpublish(vol.volume_id, ro)
     driver.delete(vol.volume_id)
+
+
+def ext4_cap():
+    cap = mount_cap()
+    cap.mount.fs_type = "ext4"
+    return cap
+
+
+def test_stage_and_load_through_an_fsdax_filesystem_volume(driver, tmp_path, capsys):
+    ref = lm.sharded_model(tmp_path / "src")
+    big = lm.large_model(tmp_path / "big", 8 * MiB)
+    cap = ext4_cap()
+    vid = driver.create("fs-weights", size=64 * MiB, params={"deviceMode": "fsdax"},
+                        caps=[cap]).volume.volume_id
+    globalmount = driver.staging("fs-weights")
+    driver.stage(vid, globalmount, cap=cap)
+    rw, ro = driver.target("stager"), driver.target("server")
+    driver.publish(vid, rw, cap=cap, staging=globalmount)
+    try:
+        assert not os.path.exists(os.path.join(rw, "dax.sock"))
+        assert weights_cli.main(["stage", str(tmp_path / "src"), rw, "--name", "llm",
+                                 "-q"]) == 0
+        assert f"image {rw}/{IMAGE_NAME}" in capsys.readouterr().out
+        image = os.path.join(rw, IMAGE_NAME)
+        need = layout.required_size(layout.Index(),
+                                    staging.scan_source(str(tmp_path / "src")))
+        assert os.path.getsize(image) == need
+        # The same file system under the staging path: the same image.
+        assert os.path.getsize(os.path.join(globalmount, IMAGE_NAME)) == need
+        assert weights_cli.main(["stage", str(tmp_path / "src"), rw, "--name", "llm",
+                                 "-q"]) == 0
+        assert "already staged" in capsys.readouterr().out
+        # A second model grows the image on ext4.
+        assert weights_cli.main(["stage", str(tmp_path / "big"), rw, "-q"]) == 0
+        assert os.path.getsize(image) > need
+
+        driver.publish(vid, ro, readonly=True, cap=cap, staging=globalmount)
+        with open_volume(ro) as v:
+            assert v.image == os.path.join(ro, IMAGE_NAME) and not v.writable
+            # ext4 on a loop device has no DAX: registration stays allowed here; on
+            # real pmem (-o dax) the mount decides (tests/test_loader_image.py).
+            assert v.registration_refused_reason is None
+            lm.assert_same(load_numpy(v, model="llm", verify=True), ref)
+        shard = tmp_path / "src" / "model-00002-of-00003.safetensors"
+        got = load_numpy(ro, model="llm")
+        for name, arr in load_file(str(shard)).items():
+            assert got[name].tobytes() == arr.tobytes()
+        del got
+        lm.assert_same(load_numpy(ro, model="big"), big)
+        assert weights_cli.main(["stage", str(tmp_path / "src"), ro, "--name", "x",
+                                 "-q"]) == 1
+        assert "read-only file system" in capsys.readouterr().err
+
+        # More than the file system holds: ENOSPC from ext4 at stage time, clearly.
+        huge = lm.large_model(tmp_path / "huge", 56 * MiB)
+        assert huge
+        before = os.path.getsize(image)
+        assert weights_cli.main(["stage", str(tmp_path / "huge"), rw, "-q"]) == 1
+        err = capsys.readouterr().err
+        st = os.statvfs(rw)
+        assert f"no space for {image}" in err
+        assert f"has only {format_size(st.f_bavail * st.f_frsize)} free" in err
+        assert os.path.getsize(image) == before
+        with open_volume(rw) as v:
+            assert sorted(m.name for m in layout.read_index(v).models) == ["big", "llm"]
+        lm.assert_same(load_numpy(rw, model="llm", verify=True), ref)
+    finally:
+        # Loads that are done may still map the image until the collector frees their
+        # futures (reference cycles); a mapped file keeps the mount busy.
+        gc.collect()
+        for target in (ro, rw):
+            if os.path.exists(target):
+                driver.unpublish(vid, target)
+        driver.unstage(vid, globalmount)
+    driver.delete(vid)

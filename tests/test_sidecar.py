@@ -40,9 +40,10 @@ from csi_pmem.loader import (
 )
 from csi_pmem.loader.staging import scan_source
 from csi_pmem.loader.stformat import read_header_file
+from csi_pmem.loader.volume import IMAGE_NAME
 
 import loader_models as lm
-from conftest import needs_root
+from conftest import mount_cap, needs_root
 
 MiB = lm.MiB
 ROOT = Path(__file__).resolve().parent.parent
@@ -541,6 +542,98 @@ def test_periodic_verify_notices_damage_and_repairs_it(shm, sidecars):
     assert exported(vol, shm / "out") == lm.tree_digest(src)
 
 
+# --- a directory volume: an fsdax file system's mount, no dax.sock --------------------------
+
+def alone(src: Path) -> int:
+    """The image size the planner gives ``src`` on its own."""
+    return layout.required_size(layout.Index(), scan_source(str(src)))
+
+
+def test_a_directory_volume_gets_an_image_and_a_warm_restart_writes_nothing(shm, sidecars):
+    src = make_model(shm / "src")
+    models = shm / "models"
+    models.mkdir()
+    image = models / IMAGE_NAME
+    first = sidecars(models, src)
+    first.wait_ready()
+    st = first.status()
+    assert st["action"] == "staged" and st["bytes_copied"] == st["bytes"]
+    assert first.terminate()[0] == 0
+    assert os.listdir(models) == [IMAGE_NAME] and image.stat().st_size == alone(src)
+    before = (index_of(models).generation, volume_digest(models), image.stat().st_mtime_ns,
+              image.stat().st_size)
+
+    warm = sidecars(models, src)
+    warm.wait_ready()
+    wst = warm.status()
+    assert wst["action"] == "already-staged" and wst["bytes_copied"] == 0
+    assert warm.terminate()[0] == 0
+    assert (index_of(models).generation, volume_digest(models), image.stat().st_mtime_ns,
+            image.stat().st_size) == before
+
+    # A larger new revision: the image grows to what it needs alone, and the older
+    # revision is released rather than kept beside it (which would grow the image at
+    # every revision).
+    src2 = make_model(shm / "src2", shards=5, seed=1)
+    rc, st2, err = run_once(models, src2)
+    assert rc == 0, err
+    assert st2["action"] == "staged" and st2["released"] == [f"m@{st['revision']}"]
+    assert "no room for" in st2["space"]
+    assert image.stat().st_size == alone(src2) > before[3]
+    assert image.stat().st_blocks * 512 >= alone(src2)
+    assert exported(models, shm / "out") == lm.tree_digest(src2)
+    # Back to the smaller one: it fits in the image as it is; nothing shrinks.
+    rc, st3, _ = run_once(models, src)
+    assert rc == 0 and st3["action"] == "staged"
+    assert image.stat().st_size == alone(src2)
+    assert exported(models, shm / "out1") == lm.tree_digest(src)
+
+
+def test_a_directory_volume_is_locked_through_its_image(shm, sidecars):
+    src = make_model(shm / "src")
+    models = shm / "models"
+    models.mkdir()
+    assert run_once(models, src)[0] == 0
+    holder = os.open(models / IMAGE_NAME, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        s = sidecars(models, src)
+        s.wait_event("another process is staging into this volume; waiting for it")
+        assert s.get("/readyz")[0] == 503
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        s.wait_ready()
+        assert s.status()["action"] == "already-staged"
+    finally:
+        os.close(holder)
+
+
+@needs_root()
+def test_a_full_directory_volume_says_how_much_is_needed_and_free(shm, sidecars):
+    src = make_model(shm / "src", shards=3, shard_bytes=8 * MiB)
+    with lm.tmpfs(shm / "fs", 24 * MiB) as fs:
+        s = sidecars(fs, src)
+        st = s.wait_state("error")
+        assert st["error_kind"] == "too-small" and st["needed"] > st["available"] > 0
+        assert st["last_error"].startswith(f"no space for {fs / IMAGE_NAME}")
+        assert s.get("/readyz")[0] == 503
+        assert s.terminate()[0] == 0
+        assert (fs / IMAGE_NAME).stat().st_size == layout.INDEX_AREA
+
+
+@needs_root()
+def test_a_read_only_directory_volume_without_an_image_says_what_to_change(shm):
+    src = make_model(shm / "src")
+    models = shm / "models"
+    models.mkdir()
+    with lm.read_only_bind(models, shm / "ro") as ro:
+        rc, st, _ = run_once(ro, src)
+        assert rc == 1 and st["error_kind"] == "read-only"
+        assert "needs a writable mount" in st["last_error"]
+        assert run_once(models, src)[0] == 0
+        rc, st, _ = run_once(ro, src)  # staged already: ready on a read-only mount
+        assert rc == 0 and st["action"] == "already-staged"
+
+
 # --- through a published volume (the driver, root) -----------------------------------------
 
 @needs_root()
@@ -606,6 +699,34 @@ def test_read_only_publish_that_must_stage_says_what_to_change(driver, shm, side
     finally:
         driver.unpublish(vol.volume_id, ro)
     driver.delete(vol.volume_id)
+
+
+@needs_root()
+def test_fsdax_filesystem_volume_stage_warm_restart_and_read_only_publish(driver, shm):
+    src = make_model(shm / "src")
+    cap = mount_cap()
+    cap.mount.fs_type = "ext4"
+    vid = driver.create("fs", size=64 * MiB, params={"deviceMode": "fsdax"},
+                        caps=[cap]).volume.volume_id
+    globalmount = driver.staging("fs")
+    driver.stage(vid, globalmount, cap=cap)
+    rw, ro = driver.target("pod-rw"), driver.target("pod-ro")
+    driver.publish(vid, rw, cap=cap, staging=globalmount)
+    driver.publish(vid, ro, readonly=True, cap=cap, staging=globalmount)
+    try:
+        rc, st, err = run_once(rw, src, "--name", "llm")
+        assert rc == 0 and st["action"] == "staged", err
+        assert os.path.getsize(os.path.join(rw, IMAGE_NAME)) == alone(src)
+        rc, st, _ = run_once(rw, src, "--name", "llm")
+        assert rc == 0 and st["action"] == "already-staged" and st["bytes_copied"] == 0
+        rc, st, _ = run_once(ro, src, "--name", "llm")
+        assert rc == 0 and st["action"] == "already-staged"
+        assert exported(ro, shm / "out", "llm") == lm.tree_digest(src)
+    finally:
+        for target in (rw, ro):
+            driver.unpublish(vid, target)
+        driver.unstage(vid, globalmount)
+    driver.delete(vid)
 
 
 # --- the deploy examples -------------------------------------------------------------------

@@ -384,18 +384,32 @@ def plan_files(sources: list[SourceFile], start: int, align: int) -> list[FileEn
     return entries
 
 
+def _data_start(index: Index) -> int:
+    """Where a new model goes: after the index area and every committed model."""
+    return max([INDEX_AREA] + [m.end for m in index.models if m.state == COMMITTED])
+
+
+def required_size(index: Index, sources: list[SourceFile]) -> int:
+    """The smallest volume size that takes ``sources`` as a new model beside the
+    index's committed models: the index area, those models, then the files at the
+    offsets :func:`allocate` gives them, rounded up to the index align. What an image
+    file (a directory volume) is grown to before a stage."""
+    start = _data_start(index)
+    files = plan_files(sources, start, index.align)
+    return round_up(max([start] + [f.end for f in files]), index.align)
+
+
 def allocate(index: Index, name: str, revision: str, sources: list[SourceFile],
              volume_size: int) -> ModelEntry:
     """A new staging entry placed after the committed models; refuses if it won't fit."""
-    start = max([INDEX_AREA] + [m.end for m in index.models if m.state == COMMITTED])
+    start = _data_start(index)
     files = plan_files(sources, start, index.align)
     end = max([start] + [f.end for f in files])
     if end > volume_size:
         needed = end - start
         available = max(0, volume_size - start)
         data = sum(s.size for s in sources)
-        alone = round_up(max([INDEX_AREA] + [f.end for f in plan_files(
-            sources, INDEX_AREA, index.align)]), index.align)
+        alone = required_size(Index(align=index.align), sources)
         raise VolumeTooSmallError(
             f"model {name} does not fit: it needs {format_size(needed)} on this volume "
             f"({len(sources)} files, {format_size(data)} of data plus alignment to "

@@ -38,6 +38,12 @@ if only removing it would make room, the sidecar refuses and says so.
 Crash safety comes from the staging code (plan written first, files marked done,
 commit last); this module adds an advisory lock on the volume so two sidecars on one
 node do not stage into the same volume at once.
+
+A directory volume (an fsdax ``Filesystem`` volume: no ``dax.sock``) is its image file
+``csi-pmem-weights.img``: created when missing, grown to what the model needs beside the
+other models it holds (older revisions of this one are released rather than kept when
+the image has no room for both: growing to keep them would grow it at every new
+revision, since a model is placed after the last committed one), never shrunk.
 """
 
 from __future__ import annotations
@@ -82,11 +88,12 @@ from csi_pmem.loader.layout import (
     SourceFile,
     allocate,
     read_index,
+    required_size,
     write_index,
 )
-from csi_pmem.loader.staging import scan_source, stage
+from csi_pmem.loader.staging import open_for_staging, scan_source, stage
 from csi_pmem.loader.stformat import read_header_file
-from csi_pmem.loader.volume import MiB, Volume, format_size, open_volume
+from csi_pmem.loader.volume import MiB, Volume, format_size, open_volume, volume_image
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +197,12 @@ def fingerprint(sources: list[SourceFile], mode: str = "sample",
 
 def _lock_fd(path: str) -> int:
     """An fd of the volume's device (or file): flock on it is node-wide, whichever pod
-    or publish the fd came through, because all of them share the device's inode."""
+    or publish the fd came through, because all of them share the device's inode. A
+    directory volume's is its image file's (the directory's until there is one)."""
+    image = volume_image(path)
+    if image is not None:
+        target = image if os.path.exists(image) else path
+        return os.open(target, os.O_RDONLY | os.O_CLOEXEC)
     is_socket = os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode)
     if os.path.isdir(path) or is_socket:
         try:
@@ -480,6 +492,12 @@ def ensure_model(volume: Volume, source: str, sources: list[SourceFile], name: s
                 and current.revision == revision and _same_files(current, sources)):
             action, plan = "resumed", SpacePlan("fresh")
         else:
+            if volume.growable:
+                # An image file: room for the model beside the other models it holds,
+                # so that releasing older revisions of this one is always enough.
+                keep = [m for m in index.committed()
+                        if m.name not in (name, retired_name(name))]
+                volume.grow(required_size(Index(align=index.align, models=keep), sources))
             action, plan = "staged", plan_space(index, name, revision, sources, volume.size)
     released = _apply(volume, index, plan, name) if action == "staged" else []
     _event(f"{_DOING[action]} {label}", model=name, revision=revision, space=plan.kind)
@@ -661,11 +679,17 @@ class Config:
 
 def _open_for_staging(path: str) -> tuple[Volume, str]:
     """The volume writable when it can be, else read-only plus the reason: a read-only
-    volume that already holds the wanted revision needs no write to be ready."""
+    volume that already holds the wanted revision needs no write to be ready. A
+    directory volume's image file is created here when missing."""
     try:
-        return open_volume(path, writable=True), ""
+        return open_for_staging(path), ""
     except ReadOnlyVolumeError as exc:
-        return open_volume(path), str(exc)
+        try:
+            return open_volume(path), str(exc)
+        except VolumeError:
+            if volume_image(path) is None:
+                raise
+            raise exc from None  # no image, and none can be made: say why not
 
 
 class Sidecar:
@@ -706,6 +730,7 @@ class Sidecar:
             volume, readonly_reason = _open_for_staging(cfg.volume)
         with volume, volume_lock(cfg.volume) as waited:
             st.phase("lock", waited)
+            volume.refresh()  # an image file another stager grew while we waited
             st.update(state="checking")
             self.busy.set()
             try:
@@ -945,8 +970,10 @@ def _seconds(text: str) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--volume", required=True, metavar="PATH",
-                   help="the PMEM volume: its mount directory (with dax.sock), a devdax "
-                        "device or a plain file; must be writable to stage")
+                   help="the PMEM volume: its mount directory (a devdax volume's, with "
+                        "dax.sock, or an fsdax file system volume's, which gets the image "
+                        "file csi-pmem-weights.img), a device or a plain file; must be "
+                        "writable to stage")
     p.add_argument("--source", required=True, metavar="DIR",
                    help="directory holding the model files")
     p.add_argument("--name", required=True, metavar="NAME", help="model name on the volume")

@@ -10,6 +10,13 @@ leaves either the previous state or a ``staging`` entry that loads refuse and th
 Copies go straight from the source file into the mapping (``preadv`` into a view of
 it): one copy, no intermediate buffer, and several chunks in flight on a thread pool
 because ``preadv`` and hashlib release the GIL.
+
+A directory volume (an fsdax file system volume: no ``dax.sock``) is the image file
+``csi-pmem-weights.img`` inside it (:data:`~csi_pmem.loader.volume.IMAGE_NAME`).
+:func:`open_for_staging` creates it, and :func:`stage` grows it to
+:func:`~csi_pmem.loader.layout.required_size` (the index area, the committed models
+kept, then the new model's files at their aligned offsets, rounded up to the align)
+before it writes the plan; it never shrinks, and is fsynced once the model is committed.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from csi_pmem.loader.errors import (
 )
 from csi_pmem.loader.layout import (
     COMMITTED,
+    INDEX_AREA,
     KIND_AUX,
     KIND_SAFETENSORS,
     STAGING,
@@ -41,10 +49,19 @@ from csi_pmem.loader.layout import (
     allocate,
     chunk_ranges,
     read_index,
+    required_size,
     write_index,
 )
 from csi_pmem.loader.stformat import read_header_file
-from csi_pmem.loader.volume import Volume, format_size
+from csi_pmem.loader.volume import (
+    DEFAULT_ALIGN,
+    Volume,
+    format_size,
+    open_volume,
+    prepare_image,
+    round_up,
+    volume_image,
+)
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +215,21 @@ class _Copier:
         log.info("staged %s (%s)", f.name, format_size(f.length))
 
 
+def open_for_staging(path: str | os.PathLike[str], *, align: int | None = None,
+                     size: int | None = None) -> Volume:
+    """Open a volume writable to stage into.
+
+    For a directory volume (no ``dax.sock``: an fsdax file system volume's mount) this
+    creates its image file when missing, holding just the index area (:func:`stage`
+    grows it to fit the model), and grows it to ``size`` first when given. Every other
+    volume is opened as :func:`~csi_pmem.loader.volume.open_volume` opens it.
+    """
+    image = volume_image(path)
+    if image is not None:
+        prepare_image(image, round_up(max(INDEX_AREA, size or 0), align or DEFAULT_ALIGN))
+    return open_volume(path, writable=True, align=align)
+
+
 def stage(volume: Volume, src_dir: str, *, name: str | None = None, revision: str = "",
           replace: bool = False, threads: int | None = None,
           progress: Progress | None = None) -> StageResult:
@@ -221,6 +253,8 @@ def stage(volume: Volume, src_dir: str, *, name: str | None = None, revision: st
     resume = (existing is not None and existing.revision == revision
               and _same_files(existing, sources))
     index.models = [m for m in index.models if m.state == COMMITTED]
+    if not resume and volume.growable:
+        volume.grow(required_size(index, sources))  # an image file: make room first
     model = existing if resume and existing else allocate(index, name, revision, sources,
                                                           volume.size)
     model.state = STAGING
@@ -260,6 +294,7 @@ def stage(volume: Volume, src_dir: str, *, name: str | None = None, revision: st
     model.state = COMMITTED
     model.updated = time.time()
     write_index(volume, index)
+    volume.sync()  # an image file: fsync (data, size, allocation)
     return StageResult(model, total - reused, reused, time.monotonic() - started)
 
 

@@ -6,10 +6,16 @@ arrives over the published directory's ``dax.sock``. Everything else in the load
 works on one ``MAP_SHARED`` mapping from offset 0, so this module is the one place that
 knows the sources: a published volume directory (or its socket), a devdax character
 device (node plugin, tests on real hardware), a plain file (emulated volumes, tmpfs or
-hugetlbfs stand-ins, tests, or a file on an fsdax file system mounted ``-o dax``), and
-a block device (an fsdax ``volumeMode: Block`` volume, ``/dev/pmemX.Y``). Read-only
+hugetlbfs stand-ins, tests, or a file on an fsdax file system mounted ``-o dax``), a
+block device (an fsdax ``volumeMode: Block`` volume, ``/dev/pmemX.Y``), and a directory
+without ``dax.sock`` (an fsdax ``Filesystem`` volume's mount, or any directory), whose
+volume is by convention the one image file :data:`IMAGE_NAME` inside it. Read-only
 volumes are mapped PROT_READ, so a stray store faults instead of corrupting staged
 weights.
+
+An image file is the one volume that can grow: staging sizes it for the model
+(:meth:`Volume.grow`, with ``posix_fallocate`` so a full file system is an error at
+stage time, not a SIGBUS in the middle of a copy) and never shrinks it (pods may map it).
 
 It also decides, once per open, whether the mapping may ever be registered with CUDA
 (:func:`registration_refusal`): the kernel refuses the long-term pins
@@ -20,6 +26,7 @@ loader goes straight to bounce buffers instead of trying and failing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -32,7 +39,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from csi_pmem import daxclient
-from csi_pmem.loader.errors import AlignmentError, ReadOnlyVolumeError, VolumeError
+from csi_pmem.loader.errors import (
+    AlignmentError,
+    ReadOnlyVolumeError,
+    VolumeError,
+    VolumeTooSmallError,
+)
 from csi_pmem.mounts import MountInfo, mountinfo
 
 log = logging.getLogger(__name__)
@@ -52,6 +64,9 @@ MOUNTINFO = "/proc/self/mountinfo"
 # Mount options that make every file of the file system DAX (ext2/ext4 print "dax" or
 # "dax=always", xfs "dax=always"). "dax=inode" leaves it to each file: statx tells.
 DAX_MOUNT_OPTIONS = frozenset({"dax", "dax=always"})
+# The volume of a directory without dax.sock (an fsdax Filesystem volume's mount, or any
+# directory): this one file in it, created and grown by staging.
+IMAGE_NAME = "csi-pmem-weights.img"
 
 
 def format_size(n: int) -> str:
@@ -60,6 +75,10 @@ def format_size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit} ({n} bytes)"
     return f"{n} bytes"
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 
 class _PyBuffer(ctypes.Structure):
@@ -94,14 +113,17 @@ class Volume:
 
     ``size`` is the mapped length (a multiple of ``align``), ``numa_node`` is None when
     unknown, ``registration_refused_reason`` says why the mapping must not be registered
-    with CUDA (fsdax files, block devices) or is None. Views handed out (numpy arrays,
-    torch tensors) keep the mapping alive after :meth:`close`; it is unmapped when the
-    last of them is freed.
+    with CUDA (fsdax files, block devices) or is None. ``image`` is the path of a
+    directory volume's image file (:data:`IMAGE_NAME`), else None; a writable one keeps
+    its fd, so that it can :meth:`grow` and :meth:`sync`. Views handed out (numpy
+    arrays, torch tensors) keep the mapping alive after :meth:`close`; it is unmapped
+    when the last of them is freed.
     """
 
     def __init__(self, mapping: mmap.mmap, *, size: int, align: int, numa_node: int | None,
                  writable: bool, source: str, metadata: dict[str, Any] | None = None,
-                 registration_refused_reason: str | None = None):
+                 registration_refused_reason: str | None = None,
+                 image: str | None = None, fd: int | None = None):
         self.mapping: mmap.mmap | None = mapping
         self.size = size
         self.align = align
@@ -114,6 +136,8 @@ class Volume:
         # Why this mapping must never be registered with CUDA (None: it may be); see
         # registration_refusal(). The GPU loader then always uses bounce buffers.
         self.registration_refused_reason = registration_refused_reason
+        self.image = image
+        self._fd = fd
 
     def __repr__(self) -> str:
         mode = "rw" if self.writable else "ro"
@@ -172,7 +196,60 @@ class Volume:
         if length > 0:
             self.mapping.flush(start, length + offset - start)
 
-    def close(self) -> None:
+    @property
+    def growable(self) -> bool:
+        """Whether :meth:`grow` can make room: a writable image file."""
+        return self._fd is not None and self.writable
+
+    def grow(self, size: int) -> bool:
+        """Make a writable image file at least ``size`` bytes (rounded up to the align)
+        and map all of it; False when it already is. Never shrinks.
+
+        The new bytes are allocated (``posix_fallocate``), so a full file system raises
+        :class:`VolumeTooSmallError` here, naming the bytes needed and free, instead of
+        a store into the mapping dying of SIGBUS later. The mapping moves: addresses and
+        views taken before stay valid for the old range only (staging grows before it
+        takes any).
+        """
+        size = round_up(size, self.align)
+        if size <= self.size:
+            return False
+        if not self.growable or self._fd is None:
+            raise VolumeError(f"{self.source} is not a writable image file; it cannot grow "
+                              f"to {format_size(size)}")
+        reserve(self._fd, size, self.image or self.source)
+        self._remap(size)
+        log.info("%s: grew to %s", self.source, format_size(size))
+        return True
+
+    def refresh(self) -> bool:
+        """Map what another process grew the image file to since it was opened (the
+        sidecar calls it once it holds the staging lock); False when nothing changed."""
+        if self._fd is None:
+            return False
+        size = os.fstat(self._fd).st_size
+        size -= size % self.align
+        if size <= self.size:
+            return False
+        self._remap(size)
+        return True
+
+    def _remap(self, size: int) -> None:
+        assert self._fd is not None
+        mapping, _ = _map(self._fd, size, self.writable, False, self.source)
+        self._unmap()
+        self.mapping, self._view = mapping, memoryview(mapping)
+        self.size, self._address = size, None
+        self.metadata["usable_size"] = size
+
+    def sync(self) -> None:
+        """fsync a writable image file: every page stored through the mapping, its size
+        and its allocation (staging msyncs each range it writes; on a file system that
+        is not the whole story). A no-op for other volumes."""
+        if self._fd is not None and self.writable:
+            os.fsync(self._fd)
+
+    def _unmap(self) -> None:
         if self._view is not None:
             self._view.release()
             self._view = None
@@ -183,6 +260,12 @@ class Volume:
                 # Tensors or arrays still point into it; it is unmapped when they go.
                 log.debug("%s: mapping outlives close() (views still exported)", self.source)
             self.mapping = None
+
+    def close(self) -> None:
+        self._unmap()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self) -> Volume:
         return self
@@ -311,6 +394,131 @@ def registration_refusal(fd: int, path: str | None = None, *,
             f"{mount.mount_point}, mounted with {dax[0]}): {why}")
 
 
+def volume_image(path: str | os.PathLike[str]) -> str | None:
+    """The image file of a directory volume, whether it exists yet or not; None for
+    every other kind of volume path.
+
+    A directory volume is a directory with neither ``dax.sock`` nor ``volume.json``: an
+    fsdax file system volume's mount, or any directory. A devdax publish directory keeps
+    ``volume.json`` while its socket is briefly gone (node plugin restarting), so it is
+    never mistaken for one and never gets an image written into it.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return None
+    for name in (daxclient.SOCKET_NAME, daxclient.METADATA_FILE):
+        if os.path.lexists(os.path.join(path, name)):
+            return None
+    return os.path.join(path, IMAGE_NAME)
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def reserve(fd: int, size: int, path: str) -> None:
+    """Make the regular file ``fd`` (at ``path``) at least ``size`` bytes long with all
+    of them allocated (``posix_fallocate``: ENOSPC now, not a SIGBUS when a store into
+    a MAP_SHARED mapping of a hole meets a full file system). On failure the file keeps
+    its old size. Never shrinks."""
+    old = os.fstat(fd).st_size
+    try:
+        os.posix_fallocate(fd, 0, max(size, old))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_size > old:
+                os.ftruncate(fd, old)  # give back a partial allocation past the old end
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            allocated = os.fstat(fd).st_blocks * 512
+            needed = max(size - allocated, size - old, 0)
+            free = _free_bytes(os.path.dirname(os.path.abspath(path)))
+            quota = " (or the quota)" if exc.errno == errno.EDQUOT else ""
+            raise VolumeTooSmallError(
+                f"no space for {path}: it must be {format_size(size)}, "
+                f"{format_size(needed)} more than is allocated now, but its file "
+                f"system{quota} has only {format_size(free)} free. Free space on that "
+                "file system, stage with --replace (discards the models in the image and "
+                "reuses its space) or use a larger volume", needed=needed,
+                available=free) from exc
+        raise VolumeError(f"cannot allocate {format_size(size)} for {path}: "
+                          f"{exc.strerror}") from exc
+    if os.fstat(fd).st_size < size:  # posix_fallocate extends the file; be sure of it
+        os.ftruncate(fd, size)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prepare_image(image: str, size: int) -> bool:
+    """Make the image file ``image`` exist with at least ``size`` bytes, allocated
+    (:func:`reserve`); True when this call created it.
+
+    A new image appears complete or not at all: it is allocated under a temporary name
+    and linked into place, so a reader never maps a half-made one, and two stagers
+    creating it at once both end up with the same file. An existing image only grows
+    (and gets its holes allocated, should it have been made sparse by hand).
+    """
+    directory = os.path.dirname(image) or "."
+
+    def refused(exc: OSError) -> VolumeError:
+        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+            return ReadOnlyVolumeError(
+                f"cannot write {image} ({exc.strerror}): staging into a directory volume "
+                "creates and grows that file, so it needs a writable mount of the volume")
+        return VolumeError(f"cannot prepare {image}: {exc.strerror or exc}")
+
+    if os.path.lexists(image):
+        if not os.path.isfile(image):
+            raise VolumeError(f"{image} is not a regular file; remove it and stage again")
+        st = os.stat(image)
+        if st.st_size >= size and st.st_blocks * 512 >= st.st_size:
+            return False  # large enough and allocated (not a sparse file made by hand)
+        try:
+            fd = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise refused(exc) from exc
+        try:
+            reserve(fd, size, image)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return False
+    # Random, not just the pid: stagers in two pods may have the same pid.
+    tmp = os.path.join(directory, f".{IMAGE_NAME}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o664)
+    except OSError as exc:
+        raise refused(exc) from exc
+    try:
+        try:
+            reserve(fd, size, image)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, image)
+            created = True
+        except FileExistsError:  # another stager was quicker: use its image
+            created = False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    _fsync_dir(directory)
+    if not created:
+        return prepare_image(image, size)
+    log.info("created %s (%s)", image, format_size(size))
+    return True
+
+
 def _map(fd: int, size: int, writable: bool, prefault: bool,
          source: str) -> tuple[mmap.mmap, bool]:
     """Map ``fd``; the flag says whether MAP_POPULATE already prefaulted it."""
@@ -402,19 +610,28 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
     also allocates its holes). ``align`` and ``numa_node`` override what the volume
     reports; plain files default to 2 MiB and an unknown node. A block device (fsdax
     ``volumeMode: Block``) cannot be resized, so it is mapped up to the last whole
-    ``align`` rather than refused for an odd size.
+    ``align`` rather than refused for an odd size. A directory without ``dax.sock``
+    (an fsdax ``Filesystem`` volume) maps its image file :data:`IMAGE_NAME`, which
+    staging creates (:func:`csi_pmem.loader.staging.open_for_staging`); without one it
+    is refused with a message saying so.
     """
     path = os.fspath(path)
     opened_by_path = False
-    if os.path.isdir(path):
-        sock = os.path.join(path, daxclient.SOCKET_NAME)
-        if not os.path.exists(sock):
+    image = volume_image(path)
+    if image is not None:
+        if not os.path.lexists(image):
             raise VolumeError(
-                f"{path} is a directory without {daxclient.SOCKET_NAME}: not a published "
-                "csi-pmem devdax volume (pass a devdax volume's mount directory, a devdax "
-                "or fsdax block device, or a file: on an fsdax file system volume, the "
-                "weights file in it)")
-        fd, meta = _from_socket(sock, writable, timeout)
+                f"{path} holds neither {daxclient.SOCKET_NAME} (a published devdax volume) "
+                f"nor {IMAGE_NAME} (the weights image of an fsdax file system volume): "
+                f"stage a model first (csi-pmem-weights stage SRC_DIR {path}, or the "
+                "sidecar), which creates the image")
+        if not os.path.isfile(image):
+            raise VolumeError(f"{image} is not a regular file; remove it and stage again")
+        fd, meta = _from_path(image, writable)
+        meta["image"] = image
+        opened_by_path = True
+    elif os.path.isdir(path):
+        fd, meta = _from_socket(os.path.join(path, daxclient.SOCKET_NAME), writable, timeout)
         if meta.get("numa_node") is None:
             meta["numa_node"] = _volume_json(path).get("numa_node")
     elif os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
@@ -424,6 +641,7 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
         opened_by_path = True
     else:
         raise VolumeError(f"{path} does not exist")
+    keep_fd = image is not None and writable  # to grow and fsync the image
     try:
         try:
             size = int(meta["usable_size"])
@@ -438,16 +656,20 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
                      "%s align)", path, format_size(size - size % align), format_size(size),
                      format_size(align))
             size -= size % align
-        _check_geometry(path, size, align)
+        _check_geometry(image or path, size, align)
         # A socket's fd may come from another mount namespace: no path to trust there.
-        refused = registration_refusal(fd, path if opened_by_path else None)
+        refused = registration_refusal(fd, (image or path) if opened_by_path else None)
         node = numa_node if numa_node is not None else meta.get("numa_node")
         node = int(node) if node is not None and int(node) >= 0 else None
-        mapping, populated = _map(fd, size, writable, prefault, path)
-    finally:
+        mapping, populated = _map(fd, size, writable, prefault, image or path)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not keep_fd:
         os.close(fd)
     volume = Volume(mapping, size=size, align=align, numa_node=node, writable=writable,
-                    source=path, metadata=meta, registration_refused_reason=refused)
+                    source=image or path, metadata=meta, registration_refused_reason=refused,
+                    image=image, fd=fd if keep_fd else None)
     if prefault and not populated:
         volume.prefault()
     log.debug("opened %r", volume)
