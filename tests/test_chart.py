@@ -140,8 +140,25 @@ def test_csidriver_fields(default: Manifests) -> None:
     assert spec["attachRequired"] is False          # node-local: no ControllerPublish
     assert spec["podInfoOnMount"] is True           # pod.uid for the dax.sock peer check
     assert spec["storageCapacity"] is True          # the scheduler reads CSIStorageCapacity
-    assert spec["fsGroupPolicy"] == "None"          # the published tmpfs is sealed read-only
+    # kubelet never chowns: the devdax tmpfs is sealed read-only; fsGroup reaches the
+    # driver as volume_mount_group anyway (VOLUME_MOUNT_GROUP), which applies it.
+    assert spec["fsGroupPolicy"] == "None"
     assert spec["volumeLifecycleModes"] == ["Persistent"]
+
+
+def test_driver_has_volume_mount_group_so_fsgroup_needs_no_policy() -> None:
+    """fsGroupPolicy None is only right because kubelet delegates fsGroup to drivers
+    with VOLUME_MOUNT_GROUP whatever the policy (pkg/volume/csi/csi_mounter.go SetUpAt):
+    without the capability fsdax Filesystem volumes would ignore the pod's fsGroup."""
+    from csi_pmem.csi import csi_pb2
+    from csi_pmem.servicers.node import NodeServicer
+
+    caps = NodeServicer(None).NodeGetCapabilities(  # type: ignore[arg-type]
+        csi_pb2.NodeGetCapabilitiesRequest(), None).capabilities
+    types = {c.rpc.type for c in caps}
+    rpc = csi_pb2.NodeServiceCapability.RPC
+    assert rpc.VOLUME_MOUNT_GROUP in types
+    assert rpc.STAGE_UNSTAGE_VOLUME in types  # fsdax file systems are staged
 
 
 # --------------------------------------------------------------------------- DaemonSet
@@ -203,6 +220,32 @@ def test_driver_mounts(default: Manifests) -> None:
             assert all("mountPropagation" not in m for m in c.get("volumeMounts", [])), c["name"]
             assert c["securityContext"].get("privileged") is not True, c["name"]
             assert c["securityContext"]["allowPrivilegeEscalation"] is False, c["name"]
+
+
+def test_driver_reaches_fsdax_staging_and_block_paths(default: Manifests) -> None:
+    """fsdax needs the driver to mount at kubelet's staging paths
+    (<kubeletDir>/plugins/kubernetes.io/csi/<driver>/<hash>/globalmount), bind device
+    nodes at the Block publish paths (<kubeletDir>/plugins/kubernetes.io/csi/
+    volumeDevices/publish/<pv>/<pod uid>) and attach loop devices: one Bidirectional
+    mount of the whole kubelet directory covers both (no other mount may shadow a part
+    of it), and the host's /dev with a privileged container gives loop-control and new
+    device nodes."""
+    driver = default.container("driver")
+    assert driver["securityContext"]["privileged"] is True
+    mounts = default.mounts("driver")
+    kubelet = "/var/lib/kubelet"
+    for path in (f"{kubelet}/plugins/kubernetes.io/csi/{DEFAULT_DRIVER_NAME}/abc/globalmount",
+                 f"{kubelet}/plugins/kubernetes.io/csi/volumeDevices/publish/pv/uid",
+                 f"{kubelet}/plugins/kubernetes.io/csi/volumeDevices/staging/pv"):
+        covering = [m for m in mounts.values()
+                    if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+        deepest = max(covering, key=lambda m: len(m["mountPath"]))
+        assert deepest["name"] == "kubelet-dir", (path, deepest)
+        assert deepest["mountPropagation"] == "Bidirectional"
+        assert not deepest.get("readOnly")
+    assert default.host_path("kubelet-dir") == kubelet
+    assert mounts["dev"]["mountPath"] == "/dev" and default.host_path("dev") == "/dev"
+    assert not mounts["dev"].get("readOnly")
 
 
 def test_liveness_goes_through_the_livenessprobe_sidecar(default: Manifests) -> None:
@@ -275,30 +318,120 @@ def test_emulated_root_elsewhere_is_mounted(helm: str) -> None:
 # --------------------------------------------------------------------------- classes
 
 
-def check_class(sc: dict[str, Any], driver_name: str, numa: str) -> None:
+FSTYPE = "csi.storage.k8s.io/fstype"
+
+
+def check_class(sc: dict[str, Any], driver_name: str, numa: str, mode: str = "devdax",
+                fs_type: str | None = None) -> None:
     assert sc["provisioner"] == driver_name
     assert sc["volumeBindingMode"] == "WaitForFirstConsumer"
     assert sc["allowVolumeExpansion"] is False
     assert sc["parameters"]["numaNode"] == numa
-    assert sc["parameters"]["deviceMode"] == "devdax"
+    assert sc["parameters"]["deviceMode"] == mode
     assert all(isinstance(v, str) for v in sc["parameters"].values()), sc["parameters"]
+    if mode == "fsdax":
+        assert "align" not in sc["parameters"]  # the driver refuses align for fsdax
+        assert sc["parameters"].get(FSTYPE) == fs_type
+    else:
+        assert FSTYPE not in sc["parameters"] and "mountOptions" not in sc
 
 
-def test_default_storage_class(default: Manifests) -> None:
+def test_default_storage_classes(default: Manifests) -> None:
     driver_name = default.one("CSIDriver")["metadata"]["name"]
     classes = default.all("StorageClass")
-    assert [c["metadata"]["name"] for c in classes] == ["csi-pmem"]
+    assert [c["metadata"]["name"] for c in classes] == ["csi-pmem", "csi-pmem-fsdax"]
     check_class(classes[0], driver_name, "auto")
-    assert "annotations" not in classes[0]["metadata"]  # not the cluster default unasked
+    check_class(classes[1], driver_name, "auto", "fsdax", "ext4")
+    for c in classes:  # not the cluster default unasked
+        assert "annotations" not in c["metadata"]
+    assert "mountOptions" not in classes[1]
 
 
 def test_per_numa_storage_classes(emulated: Manifests) -> None:
     driver_name = emulated.one("CSIDriver")["metadata"]["name"]
     classes = {c["metadata"]["name"]: c for c in emulated.all("StorageClass")}
-    assert set(classes) == {"csi-pmem", "csi-pmem-numa0", "csi-pmem-numa1"}
+    assert set(classes) == {"csi-pmem", "csi-pmem-numa0", "csi-pmem-numa1", "csi-pmem-fsdax"}
     check_class(classes["csi-pmem"], driver_name, "auto")
     check_class(classes["csi-pmem-numa0"], driver_name, "0")
     check_class(classes["csi-pmem-numa1"], driver_name, "1")
+    check_class(classes["csi-pmem-fsdax"], driver_name, "auto", "fsdax", "ext4")
+
+
+def test_fsdax_storage_classes(helm: str) -> None:
+    m = Manifests(render(helm, "--set-json", "storageClasses.fsdax.perNuma=[0,1]",
+                         "--set", "storageClasses.fsdax.fsType=xfs",
+                         "--set-json", 'storageClasses.fsdax.mountOptions=["noatime"]',
+                         "--set", "storageClasses.eraseOnDelete=false",
+                         "--set", "storageClasses.reclaimPolicy=Retain"))
+    driver_name = m.one("CSIDriver")["metadata"]["name"]
+    classes = {c["metadata"]["name"]: c for c in m.all("StorageClass")}
+    assert set(classes) == {"csi-pmem", "csi-pmem-fsdax", "csi-pmem-fsdax-numa0",
+                            "csi-pmem-fsdax-numa1"}
+    for name, numa in (("csi-pmem-fsdax", "auto"), ("csi-pmem-fsdax-numa0", "0"),
+                       ("csi-pmem-fsdax-numa1", "1")):
+        sc = classes[name]
+        check_class(sc, driver_name, numa, "fsdax", "xfs")
+        assert sc["mountOptions"] == ["noatime"]
+        assert sc["parameters"]["eraseOnDelete"] == "false"
+        assert sc["reclaimPolicy"] == "Retain"
+    assert classes["csi-pmem"]["parameters"]["eraseOnDelete"] == "false"
+    assert "mountOptions" not in classes["csi-pmem"]
+
+    # fsType "": no fstype parameter at all (the driver then makes ext4).
+    m = Manifests(render(helm, "--set", "storageClasses.fsdax.fsType="))
+    check_class(m.one("StorageClass", "csi-pmem-fsdax"), driver_name, "auto", "fsdax", None)
+    # Off; only the per-NUMA ones; a custom name as the cluster default.
+    m = Manifests(render(helm, "--set", "storageClasses.fsdax.create=false"))
+    assert [c["metadata"]["name"] for c in m.all("StorageClass")] == ["csi-pmem"]
+    m = Manifests(render(helm, "--set", "storageClasses.fsdax.create=false",
+                         "--set", "storageClasses.default.create=false",
+                         "--set-json", "storageClasses.fsdax.perNuma=[2]",
+                         "--set", "storageClasses.fsdax.perNumaNamePrefix=pmem-fs-"))
+    check_class(m.one("StorageClass"), driver_name, "2", "fsdax", "ext4")
+    assert m.one("StorageClass")["metadata"]["name"] == "pmem-fs-2"
+    m = Manifests(render(helm, "--set", "storageClasses.fsdax.name=pmem-files",
+                         "--set", "storageClasses.fsdax.isDefaultClass=true"))
+    sc = m.one("StorageClass", "pmem-files")
+    assert sc["metadata"]["annotations"] == {"storageclass.kubernetes.io/is-default-class": "true"}
+    assert "annotations" not in m.one("StorageClass", "csi-pmem")["metadata"]
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["storageClasses.default.isDefaultClass=true", "storageClasses.fsdax.isDefaultClass=true"],
+     "one default StorageClass"),
+    (["storageClasses.fsdax.name=csi-pmem"], "two StorageClasses of this chart are named csi-pmem"),
+    (["storageClasses.perNuma={0}", "storageClasses.fsdax.perNumaNamePrefix=csi-pmem-numa",
+      "storageClasses.fsdax.perNuma={0}"], "named csi-pmem-numa0"),
+])
+def test_conflicting_classes_fail_the_render(helm: str, settings: list[str],
+                                             message: str) -> None:
+    proc = run_helm(helm, "template", *[a for s in settings for a in ("--set", s)])
+    assert proc.returncode != 0, settings
+    assert message in proc.stderr, proc.stderr
+
+
+def test_fsdax_classes_take_block_and_their_file_system(helm: str) -> None:
+    """What external-provisioner and kubelet send for an fsdax class passes the driver's
+    checks: the parameters (fstype included: a csi.storage.k8s.io/ key), a Block
+    capability, and a mount capability with the class's fstype (which the provisioner
+    moves into the PV's fsType)."""
+    from csi_pmem.csi import csi_pb2
+    from csi_pmem.params import FSDAX, parse
+    from csi_pmem.servicers.capabilities import problem
+
+    mode = csi_pb2.VolumeCapability.AccessMode(
+        mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER)
+    for fs in ("ext4", "xfs", ""):
+        m = Manifests(render(helm, "--set", f"storageClasses.fsdax.fsType={fs}"))
+        params = m.one("StorageClass", "csi-pmem-fsdax")["parameters"]
+        assert parse(params).device_mode == FSDAX
+        block = csi_pb2.VolumeCapability(block=csi_pb2.VolumeCapability.BlockVolume(),
+                                         access_mode=mode)
+        mount = csi_pb2.VolumeCapability(
+            mount=csi_pb2.VolumeCapability.MountVolume(fs_type=params.get(FSTYPE, "")),
+            access_mode=mode)
+        assert problem(block, FSDAX) is None
+        assert problem(mount, FSDAX) is None, (fs, problem(mount, FSDAX))
 
 
 def test_class_parameters_are_ones_the_driver_accepts(helm: str) -> None:
@@ -311,6 +444,9 @@ def test_class_parameters_are_ones_the_driver_accepts(helm: str) -> None:
     numa3 = m.one("StorageClass", "csi-pmem-numa3")["parameters"]
     assert numa3 == {"deviceMode": "devdax", "numaNode": "3", "align": "1Gi",
                      "eraseOnDelete": "false"}
+    # align is devdax-only: the fsdax class does not inherit storageClasses.align.
+    assert m.one("StorageClass", "csi-pmem-fsdax")["parameters"] == {
+        "deviceMode": "fsdax", "numaNode": "auto", "eraseOnDelete": "false", FSTYPE: "ext4"}
 
 
 def test_driver_name_flows_everywhere(helm: str) -> None:
@@ -416,6 +552,11 @@ def test_metrics_service_and_optional_servicemonitor(helm: str, default: Manifes
     ("provisioner.timeout=2 minutes", "/provisioner/timeout"),
     ("metrics.port=70000", "/metrics/port"),
     ("drivr.logLevel=debug", "drivr"),  # a typo is an error, not a silent no-op
+    ("storageClasses.fsdax.fsType=btrfs", "/storageClasses/fsdax/fsType"),
+    ("storageClasses.fsdax.perNuma={x}", "/storageClasses/fsdax/perNuma/0"),
+    ("storageClasses.fsdax.mountOptions={a\\,b}", "/storageClasses/fsdax/mountOptions/0"),
+    ("storageClasses.fsdax.name=Pmem", "/storageClasses/fsdax/name"),
+    ("storageClasses.fsdax.align=2Mi", "/storageClasses/fsdax"),
 ])
 def test_schema_rejects_bad_values(helm: str, setting: str, path: str) -> None:
     proc = run_helm(helm, "template", "--set", setting)
@@ -465,6 +606,8 @@ def test_notes_render_with_next_steps(helm: str, tmp_path: Path) -> None:
     notes = docs[0]["data"]["notes"]
     for text in ("csistoragecapacities", "storageClassName: csi-pmem",
                  "csi-pmem-numa0", "csi-pmem-numa1", "PersistentVolumeClaim",
+                 "fsdax classes: csi-pmem-fsdax", "device_ownership_from_security_context",
+                 "deploy/examples/fsdax/",
                  "map_volume", "pod-security.kubernetes.io/enforce=privileged",
                  "rollout status daemonset/csi-pmem-node"):
         assert text in notes, text
@@ -488,6 +631,44 @@ def test_deploy_manifests_create_their_namespace() -> None:
         assert docs[0]["kind"] == "Namespace", f"{path.name}: the namespace must come first"
         namespaced = [d for d in docs if "namespace" in d["metadata"]]
         assert {d["metadata"]["namespace"] for d in namespaced} == {NAMESPACE}, path.name
+
+
+def test_fsdax_examples_use_the_charts_class_and_pass_restricted(default: Manifests) -> None:
+    """deploy/examples/fsdax/: a Block claim and a Filesystem claim on the chart's fsdax
+    class, each with a pod that passes Pod Security "restricted" (the model-weight
+    examples one level up are checked by tests/test_sidecar.py)."""
+    fsdax = {c["metadata"]["name"] for c in default.all("StorageClass")
+             if c["parameters"]["deviceMode"] == "fsdax"}
+    seen_modes = set()
+    files = sorted((REPO / "deploy" / "examples" / "fsdax").glob("*.yaml"))
+    assert [f.name for f in files] == ["block.yaml", "filesystem.yaml"]
+    for path in files:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
+        pods = [d for d in docs if d["kind"] == "Pod"]
+        assert claims and pods, path.name
+        for claim in claims.values():
+            assert claim["spec"]["storageClassName"] in fsdax, path.name
+            seen_modes.add(claim["spec"].get("volumeMode", "Filesystem"))
+        for pod in pods:
+            spec = pod["spec"]
+            where = f"{path.name}/{pod['metadata']['name']}"
+            psc = spec.get("securityContext", {})
+            assert psc.get("runAsNonRoot") is True and psc.get("runAsUser", 0) != 0, where
+            assert psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", where
+            assert not spec.get("hostNetwork") and not spec.get("hostPID"), where
+            assert all(set(v) - {"name"} == {"persistentVolumeClaim"}
+                       for v in spec["volumes"]), where
+            for c in spec["containers"]:
+                csc = c["securityContext"]
+                assert csc.get("allowPrivilegeEscalation") is False, where
+                assert csc.get("capabilities", {}).get("drop") == ["ALL"], where
+                assert not csc.get("privileged") and not csc.get("capabilities", {}).get("add")
+                for dev in c.get("volumeDevices", []):
+                    claim = next(v["persistentVolumeClaim"]["claimName"]
+                                 for v in spec["volumes"] if v["name"] == dev["name"])
+                    assert claims[claim]["spec"]["volumeMode"] == "Block", where
+    assert seen_modes == {"Block", "Filesystem"}
 
 
 # --------------------------------------------------------------------------- image
@@ -525,7 +706,9 @@ def test_dockerfile_structure() -> None:
     runs = [rest for instr, rest in ins if instr == "RUN"]
     assert any("pip wheel" in r for r in runs), runs
     pkgs = runtime_packages()
-    for needed in ("ndctl", "daxctl", "util-linux", "mount", "python3"):
+    # util-linux: blkid; mount: mount, losetup; e2fsprogs/xfsprogs: mkfs of fsdax volumes.
+    for needed in ("ndctl", "daxctl", "util-linux", "mount", "python3", "e2fsprogs",
+                   "xfsprogs"):
         assert needed in pkgs, needed
     installs = [r for r in runs if "apt-get install" in r and "${RUNTIME_PACKAGES}" in r]
     assert len(installs) == 1, "the runtime stage installs exactly RUNTIME_PACKAGES"

@@ -96,7 +96,35 @@ for c in /sys/fs/cgroup/*/"${CGROUP_ROOT}"; do
   done
 done
 
-# 5. Unmount everything below the root, deepest first; lazily if busy. Repeat: mounts
+# 5. Loop devices of the test bed: backed by a file below the root (the driver's fsdax
+#    volumes, kubelet's loop over a Block volume's global map path) or by one of those
+#    (the driver's read-only views). losetup -d of one still in use (mounted, or under
+#    another loop) only marks it autoclear: the kernel frees it once the unmounts below
+#    release it. Other loop devices of the host are left alone.
+our_loops() {
+  local f b
+  declare -A back=() ours=()
+  for f in /sys/block/loop*/loop/backing_file; do
+    [[ -f "${f}" ]] || continue
+    b=$(cat "${f}" 2>/dev/null) || continue
+    f=${f#/sys/block/}; back["/dev/${f%%/*}"]=${b% (deleted)}
+  done
+  for f in "${!back[@]}"; do [[ "${back[${f}]}" == "${ROOT}/"* ]] && ours["${f}"]=1; done
+  local grew=1
+  while ((grew)); do
+    grew=0
+    for f in "${!back[@]}"; do
+      [[ -z "${ours[${f}]:-}" && -n "${ours[${back[${f}]}]:-}" ]] && { ours["${f}"]=1; grew=1; }
+    done
+  done
+  ((${#ours[@]})) && printf '%s\n' "${!ours[@]}"
+  return 0
+}
+for d in $(our_loops); do
+  losetup -d "${d}" 2>/dev/null && log "detached loop device ${d}"
+done
+
+# 6. Unmount everything below the root, deepest first; lazily if busy. Repeat: mounts
 #    that propagated into several places can need more than one pass.
 for pass in 1 2 3; do
   mapfile -t mps < <(awk -v r="${ROOT}" '$5 == r || index($5, r "/") == 1 {print $5}' \
@@ -110,7 +138,10 @@ done
 left=$(awk -v r="${ROOT}" '$5 == r || index($5, r "/") == 1' /proc/self/mountinfo | wc -l)
 ((left == 0)) || log "WARNING: ${left} mounts below ${ROOT} could not be removed"
 
-# 6. Cgroups (children first), interfaces, iptables chains.
+left_loops=$(our_loops | xargs)
+[[ -z "${left_loops}" ]] || log "WARNING: loop devices of the test bed still attached: ${left_loops}"
+
+# 7. Cgroups (children first), interfaces, iptables chains.
 for c in /sys/fs/cgroup/*/"${CGROUP_ROOT}"; do
   [[ -d "${c}" ]] || continue
   find "${c}" -depth -type d -exec rmdir {} \; 2>/dev/null
@@ -118,7 +149,7 @@ for c in /sys/fs/cgroup/*/"${CGROUP_ROOT}"; do
 done
 net_down "${ROOT}"
 
-# 7. Kubelet's symlinks to our pod logs, and host directories we created.
+# 8. Kubelet's symlinks to our pod logs, and host directories we created.
 for l in /var/log/containers/*.log; do
   [[ -L "${l}" && "$(readlink "${l}")" == "${ROOT}/"* ]] && rm -f "${l}"
 done
@@ -131,7 +162,7 @@ if [[ -f "${ROOT}/created-dirs" ]]; then
   done < "${ROOT}/created-dirs"
 fi
 
-# 8. Keep the logs, drop the root (on a different file system than the repo, mv fails).
+# 9. Keep the logs, drop the root (on a different file system than the repo, mv fails).
 if [[ -d "${ROOT}/logs" ]]; then
   rm -rf "${LOG_DIR}"; mkdir -p "${LOG_DIR}"
   cp -r "${ROOT}/logs/." "${LOG_DIR}/" 2>/dev/null

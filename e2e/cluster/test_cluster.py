@@ -42,6 +42,9 @@ NS = "csi-pmem-e2e"          # the workloads' namespace: Pod Security "restricte
 DRIVER = "csi-pmem.io"
 TOPOLOGY_KEY = f"{DRIVER}/node"
 CLASS_AUTO, CLASS_N0, CLASS_N1 = "csi-pmem", "csi-pmem-numa0", "csi-pmem-numa1"
+CLASS_FSDAX = "csi-pmem-fsdax"          # the chart's fsdax class: ext4, numaNode auto
+CLASS_FSDAX_XFS = "csi-pmem-e2e-fsdax-xfs"  # a class of the user's own, made by a test
+DEVICE_PATH = "/dev/xvda"               # where Block claims appear in the test pods
 POOL = 2 * 1024**3           # each emulated pool (charts/csi-pmem/ci/emulated-values.yaml)
 Mi = 1024**2
 RESULTS: dict[str, Any] = {}
@@ -58,6 +61,11 @@ def _env() -> dict[str, str]:
     return out
 
 
+class DuplicateCapacity(AssertionError):
+    """Two CSIStorageCapacity objects for one class and node: external-provisioner
+    creates them while its informer is not yet synced and deletes the extra one."""
+
+
 def wait_until(what: str, fn: Callable[[], Any], timeout: float = 120,
                interval: float = 0.5) -> Any:
     deadline = time.monotonic() + timeout
@@ -69,6 +77,10 @@ def wait_until(what: str, fn: Callable[[], Any], timeout: float = 120,
             if exc.status != 404:
                 raise
             last = None
+        except DuplicateCapacity as exc:
+            last = str(exc)  # not settled yet; the message if it never settles
+            time.sleep(interval)
+            continue
         if last:
             return last
         time.sleep(interval)
@@ -166,7 +178,8 @@ class Cluster:
             labels = (c.node_topology.match_labels or {}) if c.node_topology else {}
             if labels.get(TOPOLOGY_KEY) != self.node:
                 continue
-            assert c.storage_class_name not in out, f"two objects for {c.storage_class_name}"
+            if c.storage_class_name in out:
+                raise DuplicateCapacity(f"two objects for {c.storage_class_name}")
             out[c.storage_class_name] = (
                 int(parse_quantity(c.capacity)) if c.capacity is not None else -1,
                 int(parse_quantity(c.maximum_volume_size))
@@ -182,29 +195,35 @@ class Cluster:
                      "volumeMode": mode, "resources": {"requests": {"storage": size}}}})
 
     def pod(self, name: str, claim: str, *args: str, readonly: bool = False,
-            block: bool = False) -> None:
+            block: bool = False, fs_group: int | None = None) -> None:
+        """An unprivileged pod (restricted) running workload.py with ``args``; the claim
+        is mounted at /data, or with ``block`` given as the device DEVICE_PATH."""
         container: dict[str, Any] = {
             "name": "w", "image": self.env["WORKLOAD_IMAGE"], "imagePullPolicy": "Never",
             "command": ["python3", "/e2e/workload.py", *args],
+            "env": [{"name": "E2E_DEVICE", "value": DEVICE_PATH}],
             "securityContext": {"allowPrivilegeEscalation": False,
                                 "capabilities": {"drop": ["ALL"]},
                                 "readOnlyRootFilesystem": True},
             "volumeMounts": [{"name": "script", "mountPath": "/e2e", "readOnly": True}],
         }
         if block:
-            container["volumeDevices"] = [{"name": "data", "devicePath": "/dev/pmem-e2e"}]
+            container["volumeDevices"] = [{"name": "data", "devicePath": DEVICE_PATH}]
         else:
             container["volumeMounts"].append(
                 {"name": "data", "mountPath": "/data", "readOnly": readonly})
+        pod_sc: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": 1000,
+                                  "runAsGroup": 1000,
+                                  "seccompProfile": {"type": "RuntimeDefault"}}
+        if fs_group is not None:
+            pod_sc["fsGroup"] = fs_group
         self.core.create_namespaced_pod(NS, {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": {"app": "csi-pmem-e2e"}},
             "spec": {
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": 2,
-                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
-                                    "runAsGroup": 1000,
-                                    "seccompProfile": {"type": "RuntimeDefault"}},
+                "securityContext": pod_sc,
                 "containers": [container],
                 "volumes": [
                     {"name": "data", "persistentVolumeClaim": {"claimName": claim,
@@ -290,6 +309,28 @@ class Cluster:
                     out.append(mp)
         return out
 
+    def our_loop_devices(self) -> dict[str, str]:
+        """{/dev/loopN: backing file} of the host's loop devices that belong to the test
+        bed: backed by a file below E2E_ROOT (the driver's fsdax volumes, kubelet's
+        loop over a Block volume's global map path), or by another one of ours (the
+        driver's read-only view of a volume). Other loop devices of the host are not
+        ours and are ignored."""
+        root = self.env["E2E_ROOT"].rstrip("/") + "/"
+        backing = {}
+        for f in Path("/sys/block").glob("loop*/loop/backing_file"):
+            try:
+                backing[f"/dev/{f.parent.parent.name}"] = f.read_text().strip()
+            except OSError:
+                continue  # detached meanwhile
+        ours = {d: b for d, b in backing.items() if b.startswith(root)}
+        grew = True
+        while grew:
+            more = {d: b for d, b in backing.items()
+                    if d not in ours and b.removesuffix(" (deleted)") in ours}
+            ours.update(more)
+            grew = bool(more)
+        return ours
+
 
 @pytest.fixture(scope="module")
 def k() -> Cluster:
@@ -365,20 +406,25 @@ def test_driver_running_and_registered(release: Cluster) -> None:
     assert csidriver.spec.attach_required is False
     assert csidriver.spec.pod_info_on_mount is True
     assert csidriver.spec.storage_capacity is True
+    # kubelet never chowns a volume itself; fsGroup reaches the driver anyway, as
+    # volume_mount_group (VOLUME_MOUNT_GROUP), which the fsdax Filesystem test relies on.
+    assert csidriver.spec.fs_group_policy == "None"
+    assert csidriver.spec.volume_lifecycle_modes == ["Persistent"]
     record("driver_pod", pod.metadata.name)
     record("images", {key: value for key, value in k.env.items() if key.endswith("_IMAGE")})
 
 
 def test_capacity_objects_per_class(release: Cluster) -> None:
     k = release
-    classes = {CLASS_AUTO, CLASS_N0, CLASS_N1}
+    classes = {CLASS_AUTO, CLASS_N0, CLASS_N1, CLASS_FSDAX}
     caps = wait_until("a CSIStorageCapacity per class",
                       lambda: (c := k.capacities()) and classes <= set(c) and c, 120)
     record("capacity_initial", {c: caps[c][0] for c in classes})
     # What the driver itself reports through GetCapacity with each class's parameters.
     want = {CLASS_AUTO: k.driver_json("capacity"),
             CLASS_N0: k.driver_json("capacity", "-p", "numaNode=0"),
-            CLASS_N1: k.driver_json("capacity", "-p", "numaNode=1")}
+            CLASS_N1: k.driver_json("capacity", "-p", "numaNode=1"),
+            CLASS_FSDAX: k.driver_json("capacity", "-p", "deviceMode=fsdax")}
     for cls, reply in want.items():
         assert caps[cls][0] == int(reply.get("available_capacity", 0)), (cls, caps, reply)
         if reply.get("maximum_volume_size"):
@@ -390,6 +436,8 @@ def test_capacity_objects_per_class(release: Cluster) -> None:
     assert 0.97 * POOL <= caps[CLASS_N0][0] <= POOL, caps
     assert caps[CLASS_AUTO][0] == 2 * caps[CLASS_N0][0], caps
     assert caps[CLASS_AUTO][1] == caps[CLASS_N0][1], caps
+    # fsdax volumes come out of the same pools.
+    assert 0.97 * 2 * POOL <= caps[CLASS_FSDAX][0] <= 2 * POOL, caps
     EMPTY.update(caps)
 
 
@@ -631,6 +679,193 @@ def test_pod_start_latency_with_fresh_volume(release: Cluster) -> None:
             k.core.read_persistent_volume, pv), 180)
 
 
+# ------------------------------------------------------------------ fsdax volumes
+# deviceMode: fsdax. With the emulated back end (this tier: the host kernel has no pmem)
+# a volume is a backing file on a loop device; a loop device has no DAX, so Filesystem
+# claims are mounted WITHOUT -o dax here. -o dax on real libnvdimm is verified in the VM
+# tier. Everything kubelet and the container runtime do is real: staging, bind mounts,
+# kubelet's own loop device over a Block volume, the device node and its cgroup rule.
+FSDAX_CLAIMS: list[str] = []   # deleted by test_fsdax_delete_frees_capacity_...
+FSDAX_PODS: list[str] = []
+
+
+def device_ownership(k: Cluster) -> bool:
+    return k.env.get("DEVICE_OWNERSHIP_FROM_SECURITY_CONTEXT", "true") == "true"
+
+
+def fsdax_claim(k: Cluster, name: str, cls: str, size: str, mode: str = "Filesystem") -> None:
+    k.pvc(name, cls, size, mode=mode)
+    FSDAX_CLAIMS.append(name)
+
+
+def fsdax_pod(k: Cluster, name: str, claim: str, *args: str, **kw: Any) -> dict[str, Any]:
+    k.pod(name, claim, *args, **kw)
+    FSDAX_PODS.append(name)
+    return k.wait_pod_done(name)
+
+
+def test_fsdax_block_claim_unprivileged_pod_writes_and_reads_device(release: Cluster) -> None:
+    """A Block claim on the fsdax class (WaitForFirstConsumer): a restricted pod (uid
+    1000, all capabilities dropped) gets the device at DEVICE_PATH through volumeDevices,
+    opens it read-write, writes a pattern; a second pod reads it back.
+
+    The device node in the container belongs to root unless the runtime gives it the
+    pod's user: containerd's device_ownership_from_security_context (up.sh sets it; see
+    the README). With it off (E2E_DEVICE_OWNERSHIP=false) this test checks the failure
+    users would see instead: open() fails with EACCES."""
+    k = release
+    # Earlier tests' deletions refresh the capacity objects one by one (the provisioner
+    # throttles its API writes): start from settled, empty pools.
+    wait_until("capacity objects back to the empty pools",
+               lambda: k.capacities() == EMPTY, 120)
+    fsdax_claim(k, "fsblk", CLASS_FSDAX, "64Mi", mode="Block")
+    pvc = k.core.read_namespaced_persistent_volume_claim("fsblk", NS)
+    assert pvc.status.phase == "Pending"
+    assert not (pvc.metadata.annotations or {}).get("volume.kubernetes.io/selected-node")
+
+    res = fsdax_pod(k, "fsblk-writer", "fsblk", "blockwrite", "seed-B", block=True)
+    record("fsdax_block_writer", res)
+    assert res["device"]["block"] is True, res
+    pvc = k.core.read_namespaced_persistent_volume_claim("fsblk", NS)
+    assert pvc.status.phase == "Bound"
+    assert pvc.metadata.annotations["volume.kubernetes.io/selected-node"] == k.node
+    pv = k.core.read_persistent_volume(pvc.spec.volume_name)
+    assert pv.spec.volume_mode == "Block"
+    attrs = pv.spec.csi.volume_attributes
+    assert attrs.get("deviceMode") == "fsdax", attrs
+    # The emulated back end's fsdax volume is a loop device of the test bed (what the
+    # leak checks look for is really there).
+    assert attrs.get("device") in k.our_loop_devices(), (attrs, k.our_loop_devices())
+    if not device_ownership(k):
+        assert not res["ok"] and res["open_rdwr"] == "EACCES", res
+        assert res["device"]["uid"] == 0, res
+        pytest.skip("containerd device_ownership_from_security_context is off: the "
+                    "device node is root's and uid 1000 cannot open it (EACCES), as "
+                    "expected; the rest needs it on")
+    assert res["ok"] and res["phase"] == "Succeeded", res
+    assert res["uid"] == 1000 and res["open_rdwr"] == "allowed", res
+    # containerd made the node the pod's (runAsUser/runAsGroup).
+    assert (res["device"]["uid"], res["device"]["gid"]) == (1000, 1000), res
+    assert res["size"] >= 64 * Mi and res["read_only_flag"] == 0, res
+
+    used = int(parse_quantity(pv.spec.capacity["storage"]))
+    assert used >= 64 * Mi
+    # Provisioning refreshes every capacity object of the node (same pools).
+    after = wait_until(
+        "the fsdax class's capacity object to shrink by the volume",
+        lambda: EMPTY[CLASS_FSDAX][0] - (c := k.capacities())[CLASS_FSDAX][0] >= used
+        and c, 90)
+    record("capacity_after_64Mi_fsdax_block", {c: after[c][0] for c in after})
+
+    res = fsdax_pod(k, "fsblk-reader", "fsblk", "blockread", "seed-B", block=True)
+    assert res["ok"] and res["phase"] == "Succeeded" and not res["mismatched_offsets"], res
+
+
+def test_fsdax_block_readonly_claim_cannot_open_device_for_writing(release: Cluster) -> None:
+    """persistentVolumeClaim.readOnly on a Block claim: kubelet allows the device "r"
+    only in the container's device cgroup (and the driver publishes a read-only view):
+    open(O_RDWR) and open(O_WRONLY) fail, reading the pattern works."""
+    k = release
+    if not device_ownership(k):
+        pytest.skip("needs containerd device_ownership_from_security_context")
+    res = fsdax_pod(k, "fsblk-ro", "fsblk", "blockro", "seed-B", block=True, readonly=True)
+    record("fsdax_block_readonly", res)
+    assert res["ok"] and res["phase"] == "Succeeded", res
+    assert res["open_rdwr"] in ("EPERM", "EACCES"), res
+    assert res["open_wronly"] in ("EPERM", "EACCES"), res
+    assert not res["mismatched_offsets"], res
+    assert res["read_only_flag"] == 1, res   # the driver's read-only view
+
+
+def check_fs_claim(k: Cluster, claim: str, cls: str, size: str, fs_type: str) -> None:
+    """A Filesystem claim on an fsdax class: a restricted pod (uid 1000, fsGroup 2000)
+    writes a file in the mounted directory; the mount is ``fs_type`` on a block device
+    (the pod's /proc/self/mountinfo) without dax (emulated back end); a new pod reads the
+    file back (data persists across pod restarts: NodeUnstage/NodeStage in between)."""
+    fsdax_claim(k, claim, cls, size)
+    res = fsdax_pod(k, f"{claim}-writer", claim, "fswrite", f"seed-{claim}", fs_group=2000)
+    record(f"fsdax_{fs_type}_writer", res)
+    assert res["ok"] and res["phase"] == "Succeeded", res
+    mount = res["mount"]
+    assert mount["fstype"] == fs_type, res
+    assert mount["dax"] is False, f"the emulated back end has no DAX: {mount}"
+    assert "rw" in mount["mount_options"], mount
+    assert res["uid"] == 1000 and 2000 in res["groups"], res
+    # fsGroup applied by the driver (VOLUME_MOUNT_GROUP): group 2000 with setgid, so the
+    # file uid 1000 created belongs to group 2000 too.
+    assert res["dir_gid"] == 2000 and int(res["dir_mode"], 8) & 0o2070 == 0o2070, res
+    assert (res["file_uid"], res["file_gid"]) == (1000, 2000), res
+    assert res["size"] >= 0.7 * float(parse_quantity(size)), res  # less metadata, log
+    pvc = k.core.read_namespaced_persistent_volume_claim(claim, NS)
+    pv = k.core.read_persistent_volume(pvc.spec.volume_name)
+    assert pv.spec.volume_mode == "Filesystem" and pv.spec.csi.fs_type == fs_type, pv.spec
+    # Between the pods kubelet unstages (the staging mount goes) and stages again.
+    k.delete_pod(f"{claim}-writer")
+    res = fsdax_pod(k, f"{claim}-reader", claim, "fsread", f"seed-{claim}", fs_group=2000)
+    assert res["ok"] and res["phase"] == "Succeeded", res
+    assert res["mount"]["fstype"] == fs_type and res["mount"]["dax"] is False, res
+
+
+def test_fsdax_filesystem_ext4_claim_mounted_without_dax_on_emulated(release: Cluster) -> None:
+    check_fs_claim(release, "fsext4", CLASS_FSDAX, "64Mi", "ext4")
+
+
+def test_fsdax_filesystem_xfs_claim_mounted_without_dax_on_emulated(release: Cluster) -> None:
+    """The same with a class of the user's own that asks for xfs (mkfs.xfs refuses file
+    systems below 300 MiB, so the claim is 320Mi). The class is deleted afterwards and
+    its capacity object goes with it."""
+    k = release
+    k.storage.create_storage_class({
+        "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+        "metadata": {"name": CLASS_FSDAX_XFS},
+        "provisioner": DRIVER, "volumeBindingMode": "WaitForFirstConsumer",
+        "reclaimPolicy": "Delete", "allowVolumeExpansion": False,
+        "parameters": {"deviceMode": "fsdax", "csi.storage.k8s.io/fstype": "xfs"}})
+    try:
+        wait_until("a capacity object for the xfs class",
+                   lambda: CLASS_FSDAX_XFS in k.capacities(), 90)
+        check_fs_claim(k, "fsxfs", CLASS_FSDAX_XFS, "320Mi", "xfs")
+    finally:
+        for name in ("fsxfs-writer", "fsxfs-reader"):
+            k.delete_pod(name)
+        k.delete_pvc("fsxfs")
+        k.storage.delete_storage_class(CLASS_FSDAX_XFS)
+    wait_until("the xfs class's capacity object gone",
+               lambda: CLASS_FSDAX_XFS not in k.capacities(), 90)
+
+
+def test_fsdax_delete_frees_capacity_and_leaves_no_loop_devices_or_mounts(
+        release: Cluster) -> None:
+    """Deleting the fsdax claims: DeleteVolume erases each volume, capacity goes back up
+    to the empty pools, the driver lists none of them, and nothing is left on the host:
+    no staging or block publish mounts below kubelet's plugins/kubernetes.io/csi, no
+    loop devices of the test bed (the driver's, kubelet's, the read-only views)."""
+    k = release
+    for name in FSDAX_PODS:
+        k.delete_pod(name, wait=False)
+    for name in FSDAX_PODS:
+        k.delete_pod(name)
+    vol_ids = []
+    for claim in FSDAX_CLAIMS:
+        try:
+            pvc = k.core.read_namespaced_persistent_volume_claim(claim, NS)
+            vol_ids.append(k.core.read_persistent_volume(pvc.spec.volume_name)
+                           .spec.csi.volume_handle)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        k.delete_pvc(claim)
+    wait_until("capacity of every class back to the empty pools",
+               lambda: k.capacities() == EMPTY, 120)
+    listed = json.dumps(k.driver_json("list"))
+    assert not [v for v in vol_ids if v in listed], (vol_ids, listed)
+    csi_dir = k.kubelet_dir + "/plugins/kubernetes.io/csi"
+    wait_until("no mounts below kubelet's plugins/kubernetes.io/csi",
+               lambda: not k.mounts_below(csi_dir), 60)
+    wait_until("no loop devices of the test bed", lambda: not k.our_loop_devices(), 60)
+    record("fsdax_volumes_deleted", vol_ids)
+
+
 def test_no_leaks(release: Cluster) -> None:
     k = release
     def pvs() -> list[str]:
@@ -652,3 +887,6 @@ def test_no_leaks(release: Cluster) -> None:
     pod_mounts = [m for m in k.mounts_below(k.kubelet_dir + "/pods")
                   if "kubernetes.io~csi" in m]
     assert not pod_mounts, pod_mounts
+    # fsdax: staging mounts, Block publish binds, loop devices.
+    assert not k.mounts_below(k.kubelet_dir + "/plugins/kubernetes.io/csi")
+    assert not k.our_loop_devices(), k.our_loop_devices()

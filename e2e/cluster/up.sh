@@ -25,11 +25,16 @@ images_env="$(readlink -f "${2:?usage: up.sh BIN_DIR IMAGES_ENV}")"
 . "${here}/net.sh"
 ROOT="${E2E_ROOT:-/tmp/csi-pmem-e2e}"
 NODE_NAME="${E2E_NODE_NAME:-csi-pmem-e2e-node}"
+# containerd's device_ownership_from_security_context; false shows what users without
+# it get (test_cluster.py then expects EACCES on Block devices).
+DEVICE_OWNERSHIP="${E2E_DEVICE_OWNERSHIP:-true}"
 export PATH="${bindir}:${PATH}"
 log() { echo "up: [$(date +%T)] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 [[ "$(id -u)" == 0 ]] || die "run as root (mounts, cgroups, network interfaces)"
+[[ "${DEVICE_OWNERSHIP}" == true || "${DEVICE_OWNERSHIP}" == false ]] \
+  || die "E2E_DEVICE_OWNERSHIP must be true or false, not ${DEVICE_OWNERSHIP}"
 for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do
   [[ -x "${bindir}/${b}" ]] || die "${bindir}/${b} missing: run e2e/cluster/build.sh"
 done
@@ -181,6 +186,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   sandbox_image = "${PAUSE_IMAGE}"
   # root here lacks CAP_SYS_RESOURCE: never lower a container's oom_score_adj below ours.
   restrict_oom_score_adj = true
+  # Device nodes of Block volumes (volumeDevices) belong to the pod's runAsUser and
+  # runAsGroup instead of root: without it an unprivileged pod cannot open them
+  # (EACCES). A setting users need too (README.md, "fsdax claims").
+  device_ownership_from_security_context = ${DEVICE_OWNERSHIP}
   netns_mounts_under_state_dir = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
@@ -318,6 +327,7 @@ NODE_NAME=${NODE_NAME}
 BIN_DIR=${bindir}
 CONTAINERD_SOCK=${ctrd}/containerd.sock
 STATE_DIR=${ROOT}/csi-pmem-state
+DEVICE_OWNERSHIP_FROM_SECURITY_CONTEXT=${DEVICE_OWNERSHIP}
 EOF
 grep -E '^[A-Z_]+_IMAGE=' "${images_env}" >> "${ROOT}/cluster.env"
 trap - ERR
