@@ -29,7 +29,8 @@
 #                        reason in the results, when it is absent, unless
 #                        CSI_SANITY_REQUIRED=1
 #        E2E_VM_SANITY_FLAVOURS  tests/sanity/*.yaml files csi-sanity runs with in the
-#                        guest, comma separated, or "all" (default: all; those
+#                        guest, comma separated, or "all" (default: all but
+#                        devdax-numa0, which repeats devdax-2mi on this machine; those
 #                        whose smallest volume does not fit a 1 GiB NVDIMM are skipped)
 #        E2E_VM_CPU      QEMU -cpu model (default qemu64, see below)
 #        CSI_PMEM_CACHE  cache root (default ~/.cache/csi-pmem)

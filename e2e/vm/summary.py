@@ -42,6 +42,30 @@ def load_json(path: Path) -> dict:
         return {}
 
 
+def fsdax_lines(facts: dict) -> list[str]:
+    """What the fsdax tests found out about the kernel: block device sizes, DAX."""
+    lines = []
+    sizes = facts.get("usable_sizes_fsdax") or []
+    if sizes:
+        seen, parts = set(), []
+        for row in sizes:
+            key = (row["requested"], row["namespace"])
+            if key not in seen:
+                seen.add(key)
+                parts.append(f"{row['requested']} -> {row['kernel_bytes'] / (1 << 20):g} MiB "
+                             f"({row['namespace'] >> 20} MiB namespace)")
+        lines.append("  fsdax block device sizes (requested -> kernel): " + ", ".join(parts))
+    for fs, fact in sorted((facts.get("fsdax_filesystems") or {}).items()):
+        dax, nodax = fact.get("dax") or {}, fact.get("without_dax") or {}
+        ok = dax.get("statx_dax") and "sf" in (dax.get("vm_flags") or []) \
+            and "errno" not in dax
+        mounted = "dax=always" if "dax=always" in fact.get("super_options", []) else "NO dax"
+        lines.append(f"  fsdax {fs}: {mounted}, "
+                     f"MAP_SYNC {'works (statx DAX, VmFlags sf)' if ok else 'FAILED'}; "
+                     f"with dax=never MAP_SYNC -> {nodax.get('errno', 'accepted')}")
+    return lines
+
+
 def summarise_config(d: Path) -> tuple[dict, list[str], bool]:
     rc_text = (d / "rc").read_text().strip() if (d / "rc").exists() else "missing"
     boot = (d / "boot_seconds").read_text().strip() if (d / "boot_seconds").exists() else "?"
@@ -65,9 +89,12 @@ def summarise_config(d: Path) -> tuple[dict, list[str], bool]:
         if "skipped" in res and isinstance(res["skipped"], str):
             lines.append(f"  csi-sanity {flavour}: not run: {res['skipped']}")
         else:
+            access = res.get("access_type", "mount")
             lines.append(f"  csi-sanity {flavour}: {res['passed']} passed, {res['skipped']} "
                          f"skipped, {res['pending']} pending, {res['failed']} failed "
-                         f"({res['seconds']} s, volume {res['volume_size'] / (1 << 20):g} MiB)")
+                         f"({res['seconds']} s, volume {res['volume_size'] / (1 << 20):g} MiB, "
+                         f"access type {access})")
+    lines += fsdax_lines(facts)
     ops = latency.get("operations") or {}
     if ops:
         lines.append(f"  latency ({latency.get('note', '')}):")
