@@ -144,7 +144,7 @@ class Driver:
         return devdax_usable(round_down(nbytes, allocation_step(align, pool.align)), align)
 
     def _pools_for(self, params: VolumeParams) -> list[Pool]:
-        return [p for p in self.backend.pools() if p.usable
+        return [p for p in self.backend.pools() if not p.problem_for(params.device_mode)
                 and (params.numa_node is None or p.numa_node == params.numa_node)]
 
     # ------------------------------------------------------------------ create
@@ -221,10 +221,10 @@ class Driver:
                 f"this node ({self.config.node_id}) has no persistent memory on NUMA node "
                 f"{params.numa_node} (it has NUMA nodes {have}); the scheduler should pick "
                 "another node")
-        usable_pools = [p for p in candidates if p.usable]
+        usable_pools = [p for p in candidates if not p.problem_for(params.device_mode)]
         if not usable_pools:
-            raise Unavailable("no usable region: " + "; ".join(
-                f"{p.name}: {p.problem}" for p in candidates))
+            raise Unavailable(f"no region can carve a {params.device_mode} volume: " + "; ".join(
+                f"{p.name}: {p.problem_for(params.device_mode)}" for p in candidates))
         sized = []
         for p in usable_pools:
             size, usable = allocation_for(request, params.align, p.align)

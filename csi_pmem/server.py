@@ -80,13 +80,17 @@ class Server:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             if os.path.exists(path):
                 os.unlink(path)  # a stale socket from a previous run
+        # Said before the socket answers, so whoever sees the driver serving can also
+        # find why a region is unusable in the log.
+        ok, reason = self.backend.probe()
+        if reason != "ok":
+            log.warning("%s: %s", "not ready" if not ok else "serving with problems", reason)
         self.grpc.add_insecure_port(address)
         self.grpc.start()
         if self.cfg.metrics_address:
             self.metrics.serve(self.cfg.metrics_address)
         if self.cfg.backend == "ndctl":
             self._start_watcher()
-        ok, reason = self.backend.probe()
         log.info("csi-pmem %s serving %s on %s (node %s, back end %s, %s) in %.2f s",
                  self.cfg.driver_name, "Identity/Controller/Node", self.cfg.endpoint,
                  self.cfg.node_id, self.cfg.backend, f"{'ready' if ok else 'NOT READY'}: {reason}",

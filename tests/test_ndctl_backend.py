@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from csi_pmem.backends.ndctl import LABELLESS_FIX, NdctlBackend, classify
+from csi_pmem.backends.ndctl import LABELLESS_FIX, NdctlBackend, classify, disabled_problem
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
@@ -232,10 +232,28 @@ def test_disabled_and_readonly_regions(sysroot):
 
 
 def test_region_without_devdax_support(sysroot):
+    # No dax_seed: devdax cannot be carved there, fsdax still can (nd_pmem's pfn).
     root = sysroot("two_regions", **{"bus/nd/devices/region0/dax_seed": "\n"})
     pools = pools_by_name(backend(FakeRunner(load("list_two_regions")), root))
+    assert pools["region0"].usable and pools["region0"].problem_for("fsdax") is None
+    assert "modprobe dax_pmem" in pools["region0"].problem_for("devdax")
+    assert pools["region1"].usable and pools["region1"].problem_for("devdax") is None
+    # Neither seed: nothing can be carved, the region is unusable.
+    root = sysroot("two_regions", **{"bus/nd/devices/region0/dax_seed": "\n",
+                                     "bus/nd/devices/region0/pfn_seed": "\n"})
+    pools = pools_by_name(backend(FakeRunner(load("list_two_regions")), root))
     assert "modprobe dax_pmem" in pools["region0"].problem
-    assert pools["region1"].usable
+    assert "nd_pmem" in pools["region0"].problem
+
+
+def test_unbound_region_is_disabled_even_if_the_listing_is_older(sysroot):
+    # Right after 'ndctl disable-region' the cached listing still shows it enabled; sysfs
+    # (no driver link) is live and its seeds read empty: say "disabled", not "no dax".
+    root = sysroot("two_regions", **{"bus/nd/devices/region0/dax_seed": "\n",
+                                     "bus/nd/devices/region0/pfn_seed": "\n",
+                                     "bus/nd/devices/region0/subsystem/.keep": ""})
+    pools = pools_by_name(backend(FakeRunner(load("list_two_regions")), root))
+    assert pools["region0"].problem == disabled_problem("region0")
 
 
 def test_no_regions_and_broken_ndctl_fail_probe(sysroot):

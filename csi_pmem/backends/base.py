@@ -42,10 +42,17 @@ class Pool:
     align: int
     problem: str | None = None
     label_slots: int = 0
+    # (mode, why) for device modes this region cannot carve although others work,
+    # e.g. ("devdax", "no device-dax instance ...") on a kernel without device_dax.
+    mode_problems: tuple[tuple[str, str], ...] = ()
 
     @property
     def usable(self) -> bool:
         return self.problem is None
+
+    def problem_for(self, mode: str) -> str | None:
+        """Why no ``mode`` namespace can be carved here (None when it can)."""
+        return self.problem or dict(self.mode_problems).get(mode)
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,14 @@ class Sysfs:
         except (OSError, UnicodeDecodeError):
             return None
 
+    def bound(self, dev: str) -> bool | None:
+        """Whether ``dev`` has its driver bound (an enabled region); None if unknown."""
+        # Every real sysfs device has a subsystem link; without it (a partial copy of
+        # sysfs, as in tests) a missing driver link proves nothing.
+        if not (self.base / dev / "subsystem").exists():
+            return None
+        return (self.base / dev / "driver").exists()
+
     def read_int(self, dev: str, attr: str) -> int | None:
         text = self.read(dev, attr)
         if not text:
@@ -380,12 +388,28 @@ class NdctlBackend(Backend):
             align=align,
             problem="; ".join(problems) or None,
             label_slots=0 if problems else self._label_slots(region, listing),
+            mode_problems=() if problems else self._mode_problems(name),
         )
+
+    def _mode_problems(self, name: str) -> tuple[tuple[str, str], ...]:
+        """Modes the kernel cannot create on an otherwise usable region: device-dax
+        without dax_pmem/device_dax (no ``dax_seed``), fsdax without the pfn driver (no
+        ``pfn_seed``). Unknown (unreadable sysfs) counts as supported."""
+        out = []
+        if self._sysfs.read(name, "dax_seed") == "":
+            out.append(("devdax", no_devdax_problem(name)))
+        if self._sysfs.read(name, "pfn_seed") == "":
+            out.append(("fsdax", no_fsdax_problem(name)))
+        return tuple(out)
 
     def _problems(self, region: dict[str, Any]) -> list[str]:
         name = str(region["dev"])
         problems = []
-        if _disabled(region):
+        # sysfs is live, the listing may be a few seconds old: an unbound region is
+        # disabled whatever the listing says (its seeds read empty then, which would
+        # otherwise be mistaken for missing kernel support).
+        disabled = _disabled(region) or self._sysfs.bound(name) is False
+        if disabled:
             problems.append(disabled_problem(name))
         if self._labelled(region) is False:
             problems.append(labelless_problem(name))
@@ -394,8 +418,9 @@ class NdctlBackend(Backend):
             problems.append(misaligned_problem(name, start))
         if self._sysfs.read(name, "read_only") == "1":
             problems.append(readonly_problem(name))
-        if self._sysfs.read(name, "dax_seed") == "":
-            problems.append(no_devdax_problem(name))
+        if not disabled and self._sysfs.read(name, "dax_seed") == "" \
+                and self._sysfs.read(name, "pfn_seed") == "":
+            problems.append(no_devdax_problem(name) + "; " + no_fsdax_problem(name))
         learned = self._learned_problem(name)
         if learned and not problems:
             problems.append(learned)
