@@ -290,10 +290,18 @@ class Driver:
                     f"volume {vid} is still {'published' if rec.publications else 'staged'} "
                     f"at {', '.join(where)}; unpublish and unstage it (delete the pods using "
                     "it) first")
+            self._check_not_in_use(rec)
             rec.state = DELETING
             self.store.put(rec)
             failpoints.hit(failpoints.DELETE_AFTER_RECORD)
             self._finish_delete(rec)
+
+    def _check_not_in_use(self, rec: VolumeRecord) -> None:
+        """An fsdax device mounted outside the driver (by hand, or a mount whose record
+        was lost) refuses an exclusive open: say so before the volume starts deleting."""
+        ns = self.backend.get(rec.id)
+        if ns is not None and ns.mode == FSDAX:
+            os.close(self.backend.open_device(ns, readonly=True, exclusive=True))
 
     def _finish_delete(self, rec: VolumeRecord) -> None:
         ns = self.backend.get(rec.id)
@@ -308,7 +316,7 @@ class Driver:
         log.info("deleted volume %s (%s)", rec.id, rec.name)
 
     def _erase(self, ns: Namespace) -> None:
-        fd = self.backend.open_device(ns, readonly=False)
+        fd = self.backend.open_device(ns, readonly=False, exclusive=True)
         try:
             result = zero_fd(fd, ns.usable_size, threads=self.config.erase_threads)
         finally:

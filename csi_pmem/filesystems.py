@@ -32,6 +32,7 @@ _MKFS = {
     "ext4": ["mkfs.ext4", "-F", "-q", "-b", "4096", "-E", "nodiscard"],
     "xfs": ["mkfs.xfs", "-f", "-q", "-K", "-m", "reflink=0"],
 }
+_PACKAGE = {"ext4": "e2fsprogs", "xfs": "xfsprogs"}
 
 
 @dataclass(frozen=True)
@@ -60,23 +61,32 @@ def probe(device: str) -> dict[str, str]:
     return found
 
 
-def ensure(device: str, fs_type: str, volume: str) -> bool:
-    """Make a ``fs_type`` file system on ``device`` unless it has one; True if made.
-
-    Anything else on the device (another file system, a partition table, swap) is
-    refused: formatting would destroy data someone put there.
-    """
+def signature(device: str) -> str | None:
+    """What ``device`` holds: a file system or partition table type, "unknown" for an
+    unnamed signature, None when blkid finds nothing at all."""
     found = probe(device)
-    have = found.get("TYPE") or found.get("PTTYPE")
-    if have == fs_type:
-        return False
-    if have or found:
-        raise FailedPrecondition(
-            f"volume {volume} already holds {have or 'an unknown signature'} on {device}, "
-            f"not {fs_type}: it is not formatted again (that would destroy its data); use "
-            f"fsType {have} for it, or a new volume")
-    runner.run([*_MKFS[fs_type], device], timeout=MKFS_TIMEOUT)
-    return True
+    if not found:
+        return None
+    return found.get("TYPE") or found.get("PTTYPE") or "unknown"
+
+
+def refuse_other(volume: str, device: str, have: str, fs_type: str) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"volume {volume} already holds {have} on {device}, not {fs_type}: it is not "
+        f"formatted again (that would destroy its data); use fsType {have} for it, or a "
+        "new volume")
+
+
+def make(device: str, fs_type: str) -> None:
+    """mkfs (forced: the caller decided the device holds nothing worth keeping)."""
+    try:
+        runner.run([*_MKFS[fs_type], device], timeout=MKFS_TIMEOUT)
+    except CommandError as exc:
+        if exc.returncode == 127:
+            raise FailedPrecondition(
+                f"{_MKFS[fs_type][0]} is not installed where the driver runs: install "
+                f"{_PACKAGE[fs_type]} (the csi-pmem image has it)") from exc
+        raise
 
 
 def mount_options(dax: bool, mount_flags: list[str]) -> list[str]:
@@ -103,22 +113,35 @@ def apply_group(root: str, gid: int) -> None:
     does (group ownership, group read/write, setgid on directories so new files
     inherit the group), and like fsGroupChangePolicy OnRootMismatch it walks the tree
     only when the root does not have the group yet.
+
+    The tree belongs to pods that may be running: every entry is opened relative to
+    its directory's fd with O_PATH|O_NOFOLLOW and changed through that fd, so a symlink
+    swapped in mid-walk is never followed out of the volume.
     """
     st = os.lstat(root)
     if st.st_gid == gid and st.st_mode & stat.S_ISGID:
         return
-    for dirpath, dirnames, filenames in os.walk(root):
+    for _, dirnames, filenames, dir_fd in os.fwalk(root, follow_symlinks=False):
         for name in [*dirnames, *filenames]:
-            _group_one(os.path.join(dirpath, name), gid)
-    _group_one(root, gid)
+            _group_one(name, gid, dir_fd)
+    _group_one(root, gid, None)
 
 
-def _group_one(path: str, gid: int) -> None:
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        return
-    os.chown(path, -1, gid)
-    mode = stat.S_IMODE(st.st_mode) | stat.S_IRGRP | stat.S_IWGRP
-    if stat.S_ISDIR(st.st_mode):
-        mode |= stat.S_IXGRP | stat.S_ISGID
-    os.chmod(path, mode)
+def _group_one(name: str, gid: int, dir_fd: int | None) -> None:
+    try:
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return  # removed by the pod meanwhile
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):
+            return
+        # chown/chmod through the fd's magic link act on the opened inode itself.
+        proc = f"/proc/self/fd/{fd}"
+        os.chown(proc, -1, gid)
+        mode = stat.S_IMODE(st.st_mode) | stat.S_IRGRP | stat.S_IWGRP
+        if stat.S_ISDIR(st.st_mode):
+            mode |= stat.S_IXGRP | stat.S_ISGID
+        os.chmod(proc, mode)
+    finally:
+        os.close(fd)

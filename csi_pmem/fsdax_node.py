@@ -38,6 +38,7 @@ from csi_pmem.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    Unavailable,
 )
 from csi_pmem.state import (
     BLOCK,
@@ -54,6 +55,7 @@ from csi_pmem.state import (
 )
 
 log = logging.getLogger(__name__)
+PENDING_VIEW = "pending"  # recorded before a read-only view is attached
 
 
 @dataclass(frozen=True)
@@ -126,10 +128,31 @@ class FsdaxNode:
             return None
         return st.st_rdev if stat.S_ISBLK(st.st_mode) else None
 
-    def _detach_view(self, pub: Publication, device: str) -> None:
-        """Detach a read-only view, after checking it still sits on our device."""
-        if pub.view and loops.backing_file(pub.view) == device:
+    def _detach_view(self, rec: VolumeRecord, pub: Publication, device: str) -> None:
+        """Detach a read-only view, after checking it still sits on our device.
+
+        A ``pending`` view (the process died between attaching it and recording which
+        loop device it got) is found as a loop device on our device that no other
+        publication of this volume names: nothing else puts loop devices on ours.
+        """
+        attached = loops.devices()
+        if pub.view == PENDING_VIEW:
+            named = {p.view for p in rec.publications.values()}
+            for name, back in attached.items():
+                if back == device and name not in named:
+                    loops.detach(name)
+        elif pub.view and attached.get(pub.view) == device:
             loops.detach(pub.view)
+
+    def _refuse_blind(self, rec: VolumeRecord, path: str, recorded: bool) -> None:
+        """Without the device the driver cannot tell whether a mount at ``path`` is the
+        volume's: it must neither drop the record of a mount that may be live (a later
+        DeleteVolume would erase under it) nor unmount what may be someone else's."""
+        if recorded and mounts.find(path) is not None:
+            raise Unavailable(
+                f"the device of volume {rec.id} cannot be found (namespace disabled, or "
+                f"/dev not the host's?), so the mount at {path} cannot be checked; try "
+                "again once the device is back")
 
     def _current_rdev(self, rec: VolumeRecord) -> int | None:
         ns = self.backend.get(rec.id)
@@ -144,6 +167,11 @@ class FsdaxNode:
     def stage(self, rec: VolumeRecord, path: str, access: Access) -> None:
         if access.kind == BLOCK:
             return  # the device is bound per pod at publish; nothing to share
+        blocks = sorted(t for t, p in rec.publications.items() if p.kind == BLOCK)
+        if blocks:
+            raise FailedPrecondition(
+                f"volume {rec.id} is published as a raw block device at {blocks[0]}; it "
+                "cannot be mounted as a file system at the same time")
         ns = self._namespace(rec)
         rdev = self._rdev(ns.device)
         staged = rec.stages.get(path)
@@ -182,24 +210,60 @@ class FsdaxNode:
 
     def _format_and_mount(self, rec: VolumeRecord, ns: Namespace, path: str,
                           access: Access) -> None:
+        """Format only a device that holds nothing (or whose own mkfs was cut short),
+        then mount. ``rec.formatting`` is the intent: set before mkfs, cleared after
+        the first successful mount, so a retry after a crash or timeout formats again
+        instead of tripping over a half-written signature."""
         os.makedirs(path, mode=0o750, exist_ok=True)
-        if filesystems.ensure(ns.device, access.fs_type, rec.id):
+        have = filesystems.signature(ns.device)
+        if rec.formatting or have is None:
+            if rec.block_used and not rec.formatting:
+                raise FailedPrecondition(
+                    f"volume {rec.id} was used as a raw block device and holds no file "
+                    "system; it is not formatted (its data would be lost): use it with "
+                    "volumeMode: Block, or make a file system on it yourself")
+            rec.formatting = True
+            self.store.put(rec)
+            filesystems.make(ns.device, access.fs_type)
             log.info("made %s on %s for volume %s", access.fs_type, ns.device, rec.id)
-        failpoints.hit(failpoints.STAGE_AFTER_MKFS)
+            failpoints.hit(failpoints.STAGE_AFTER_MKFS)
+        elif have != access.fs_type:
+            raise filesystems.refuse_other(rec.id, ns.device, have, access.fs_type)
+        self._mount(rec, ns, path, access)
+        if rec.formatting:
+            rec.formatting = False
+            self.store.put(rec)
+
+    def _mount(self, rec: VolumeRecord, ns: Namespace, path: str, access: Access) -> None:
         options = filesystems.mount_options(ns.fs_dax, list(access.mount_flags))
         try:
             mounts.mount(ns.device, path, access.fs_type, options)
+            return
         except CommandError as exc:
-            if access.mount_flags:
+            failure = exc
+        if access.mount_flags:
+            # Blame the class's mountOptions only if the mount works without them.
+            try:
+                mounts.mount(ns.device, path, access.fs_type,
+                             filesystems.mount_options(ns.fs_dax, []))
+            except CommandError:
+                pass
+            else:
+                self._umount(path)
                 raise InvalidArgument(
                     f"mounting {access.fs_type} of volume {rec.id} with options "
-                    f"{','.join(options)} failed: {exc.stderr.strip() or exc}; check the "
-                    "StorageClass mountOptions") from exc
-            raise
+                    f"{','.join(options)} failed: {failure.stderr.strip() or failure}; "
+                    "check the StorageClass mountOptions") from failure
+        raise FailedPrecondition(
+            f"mounting {access.fs_type} of volume {rec.id} from {ns.device} at {path} "
+            f"failed: {failure.stderr.strip() or failure}; the kernel log (dmesg) says "
+            "why") from failure
 
     def unstage(self, rec: VolumeRecord, path: str) -> None:
         rdev = self._current_rdev(rec)
-        if rdev is not None and self._fs_mounted(path, rdev) is not None:
+        if rdev is None:
+            self._refuse_blind(rec, path, path in rec.stages)
+        elif self._fs_mounted(path, rdev) is not None:
             self._umount(path)
         if rec.stages.pop(path, None) is not None:
             self.store.put(rec)
@@ -243,14 +307,17 @@ class FsdaxNode:
             else:
                 if created:
                     os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+                rec.block_used = True
                 if readonly:
-                    pub.view = source = loops.attach(ns.device, readonly=True)
+                    pub.view = PENDING_VIEW
                     self.store.put(rec)
+                    pub.view = source = loops.attach(ns.device, readonly=True)
+                self.store.put(rec)
             mounts.bind(source, target, readonly)
         except BaseException:
             if created:
                 _remove(target)
-            self._detach_view(pub, ns.device)
+            self._detach_view(rec, pub, ns.device)
             rec.publications.pop(target, None)
             self.store.put(rec)
             raise
@@ -293,6 +360,10 @@ class FsdaxNode:
                 raise FailedPrecondition(
                     f"target {target} exists and is not a regular file: a block volume is "
                     "published as a device bound onto a file")
+            if os.path.getsize(target):
+                raise FailedPrecondition(
+                    f"target {target} is a non-empty file; binding a device over it would "
+                    "hide its contents")
         elif not os.path.isdir(os.path.dirname(target)):
             raise FailedPrecondition(
                 f"the parent directory of target {target} does not exist (the CO creates "
@@ -302,7 +373,9 @@ class FsdaxNode:
     def unpublish(self, rec: VolumeRecord, target: str) -> None:
         pub = rec.publications.get(target)
         rdev = self._current_rdev(rec)
-        if rdev is not None:
+        if rdev is None:
+            self._refuse_blind(rec, target, pub is not None)
+        else:
             probes = [pub] if pub is not None else [
                 Publication(target=target, readonly=False, kind=k) for k in (BLOCK, MOUNT)]
             if any(self._ours(p, rdev) is not None for p in probes):
@@ -311,7 +384,7 @@ class FsdaxNode:
         if pub is not None and pub.view:
             ns = self.backend.get(rec.id)
             if ns is not None:
-                self._detach_view(pub, ns.device)
+                self._detach_view(rec, pub, ns.device)
         if mounts.find(target) is None:
             _remove(target)
         rec.publications.pop(target, None)
@@ -334,6 +407,8 @@ class FsdaxNode:
         """
         rdev = self._current_rdev(rec)
         if rdev is None:
+            if path in rec.publications or path in rec.stages:
+                return None  # the raw figures; the volume condition says what is wrong
             raise NotFound(f"the block device of volume {rec.id} has disappeared")
         try:
             st = os.stat(path)
@@ -349,6 +424,10 @@ class FsdaxNode:
     # ------------------------------------------------------------------ start-up
     def reconcile(self, rec: VolumeRecord) -> None:
         rdev = self._current_rdev(rec)
+        if rdev is None and (rec.stages or rec.publications):
+            log.error("the device of fsdax volume %s cannot be found: its stages and "
+                      "publications are kept as they are until it is back", rec.id)
+            return
         for path, stage in list(rec.stages.items()):
             mounted = rdev is not None and self._fs_mounted(path, rdev) is not None
             if mounted and stage.state != STAGED:

@@ -4,7 +4,8 @@ Why: two parts of the driver need block devices that the kernel enforces: the em
 back end turns backing files into real block devices (fsdax emulation, device-cgroup
 tests), and a read-only fsdax Block publication is a read-only loop device over the
 namespace, since binding a device node onto a read-only mount does not stop anyone
-from writing to the device.
+from writing to the device. Several loop devices may sit on one backing file or device
+(two read-only publications of one volume), so listings are keyed by loop device.
 """
 
 from __future__ import annotations
@@ -18,21 +19,18 @@ log = logging.getLogger(__name__)
 TIMEOUT = 30
 
 
-def backing_map() -> dict[str, str]:
-    """{backing file or device: loop device} for every attached loop device."""
+def devices() -> dict[str, str]:
+    """{loop device: the file or device it is attached to} for every attached loop."""
     out = runner.run_json(["losetup", "--list", "--json", "--output", "NAME,BACK-FILE"],
                           timeout=TIMEOUT)
-    devices = out.get("loopdevices", []) if isinstance(out, dict) else []
-    return {d["back-file"].removesuffix(" (deleted)"): d["name"] for d in devices
+    found = out.get("loopdevices", []) if isinstance(out, dict) else []
+    return {d["name"]: d["back-file"].removesuffix(" (deleted)") for d in found
             if d.get("back-file")}
 
 
-def backing_file(device: str) -> str | None:
-    """What ``device`` is attached to (None if it is not an attached loop device)."""
-    for back, name in backing_map().items():
-        if name == device:
-            return back
-    return None
+def attached_to(path: str) -> list[str]:
+    """Every loop device attached to ``path``."""
+    return sorted(name for name, back in devices().items() if back == path)
 
 
 def attach(path: str, *, readonly: bool = False, sizelimit: int | None = None) -> str:

@@ -24,7 +24,7 @@ CREATING, READY, DELETING = "creating", "ready", "deleting"
 # Publish states, per target.
 PUBLISHING, PUBLISHED, UNPUBLISHING = "publishing", "published", "unpublishing"
 # Stage states, per staging path (fsdax file systems only).
-STAGING, STAGED, UNSTAGING = "staging", "staged", "unstaging"
+STAGING, STAGED = "staging", "staged"
 # What a publication is: devdax's tmpfs with dax.sock, an fsdax block device bound onto
 # a file, or a bind mount of an fsdax file system staged at ``staging``.
 DAX, BLOCK, MOUNT = "dax", "block", "mount"
@@ -73,6 +73,11 @@ class VolumeRecord:
     created_at: float = field(default_factory=time.time)
     publications: dict[str, Publication] = field(default_factory=dict)
     stages: dict[str, Stage] = field(default_factory=dict)
+    # fsdax: published as a raw block device at least once (its data may carry no
+    # file-system signature, so it is never formatted); a mkfs was started and has not
+    # yet been followed by a successful mount (a retry formats again).
+    block_used: bool = False
+    formatting: bool = False
 
     @property
     def device_mode(self) -> str:

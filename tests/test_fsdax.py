@@ -337,3 +337,93 @@ def test_crash_on_the_fsdax_paths_heals_on_restart(driver_factory, point):
     d.delete(vid)
     assert mounts_below(d) == [] and loops_of(d) == [] and records(d) == {}
     assert not os.path.lexists(target)
+
+
+# ------------------------------------------------------------------ data safety
+def test_two_readonly_views_of_one_volume_are_both_detached(driver):
+    vid = driver.create("two-ro", params=FSDAX, caps=[block_cap()]).volume.volume_id
+    targets = [block_target(driver, f"reader-{i}") for i in range(2)]
+    for t in targets:
+        driver.publish(vid, t, readonly=True, cap=block_cap(Mode.SINGLE_NODE_READER_ONLY))
+    assert len(loops_of(driver)) == 3  # the namespace and one view per publication
+    for t in targets:
+        driver.unpublish(vid, t)
+    assert len(loops_of(driver)) == 1
+    driver.delete(vid)  # nothing holds the device any more
+    assert loops_of(driver) == []
+
+
+def test_raw_block_data_is_never_formatted(driver):
+    vid = driver.create("raw", params=FSDAX, caps=[block_cap()]).volume.volume_id
+    target, staging = block_target(driver, "raw"), driver.staging("raw")
+    driver.publish(vid, target, cap=block_cap())
+    with open(target, "r+b") as f:
+        f.write(PATTERN)  # raw data: no file-system signature for blkid to find
+    with pytest.raises(grpc.RpcError) as info:
+        driver.stage(vid, staging, cap=fs_cap("ext4"))  # while published as a device
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "raw block device" in info.value.details()
+    driver.unpublish(vid, target)
+    with pytest.raises(grpc.RpcError) as info:
+        driver.stage(vid, staging, cap=fs_cap("ext4"))  # later, too
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not formatted" in info.value.details()
+    driver.publish(vid, target, cap=block_cap())
+    with open(target, "rb") as f:
+        assert f.read(len(PATTERN)) == PATTERN
+    driver.unpublish(vid, target)
+    driver.delete(vid)
+
+
+def test_delete_never_erases_under_a_mounted_file_system(driver, tmp_path):
+    vol = driver.create("mounted", params=FSDAX, caps=[block_cap()]).volume
+    device = vol.volume_context["device"]
+    subprocess.run(["mkfs.ext4", "-q", "-F", device], check=True, capture_output=True)
+    where = tmp_path / "mnt"
+    where.mkdir()
+    subprocess.run(["mount", device, str(where)], check=True)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            driver.delete(vol.volume_id)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "in use" in info.value.details()
+        assert vol.volume_id in driver.list_ids()
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+    driver.delete(vol.volume_id)
+    assert driver.list_ids() == [] and loops_of(driver) == []
+
+
+def test_fsgroup_walk_does_not_follow_symlinks_out_of_the_volume(driver, tmp_path):
+    outside = tmp_path / "someone-elses"
+    outside.write_text("not yours")
+    os.chmod(outside, 0o600)
+    before = os.stat(outside)
+    cap = fs_cap("ext4")
+    vid = driver.create("links", params=FSDAX, caps=[cap]).volume.volume_id
+    staging = driver.staging("links")
+    driver.stage(vid, staging, cap=cap)
+    os.symlink(outside, os.path.join(staging, "escape"))
+    os.makedirs(os.path.join(staging, "sub"))
+    target = driver.target("grp")
+    driver.publish(vid, target, cap=fs_cap("ext4", group="3000"), staging=staging)
+    after = os.stat(outside)
+    assert (after.st_gid, after.st_mode) == (before.st_gid, before.st_mode)
+    sub = os.stat(os.path.join(target, "sub"))
+    assert sub.st_gid == 3000 and sub.st_mode & stat.S_ISGID
+    driver.unpublish(vid, target)
+    driver.unstage(vid, staging)
+    driver.delete(vid)
+
+
+def test_block_target_holding_data_is_refused(driver):
+    vid = driver.create("busy-file", params=FSDAX, caps=[block_cap()]).volume.volume_id
+    target = block_target(driver, "data")
+    with open(target, "w") as f:
+        f.write("someone's data")
+    assert code_of(driver.publish, vid, target, cap=block_cap()) == \
+        grpc.StatusCode.FAILED_PRECONDITION
+    driver.unpublish(vid, target)  # unknown to the driver: nothing happens to the file
+    with open(target) as f:
+        assert f.read() == "someone's data"
+    driver.delete(vid)

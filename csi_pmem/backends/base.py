@@ -29,6 +29,8 @@ from __future__ import annotations
 import abc
 from dataclasses import asdict, dataclass
 
+from csi_pmem.errors import FailedPrecondition
+
 
 @dataclass(frozen=True)
 class Pool:
@@ -74,6 +76,12 @@ class Namespace:
         return asdict(self)
 
 
+def device_busy(ns: Namespace) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"device {ns.device} of volume {ns.name} is in use (a file system on it is mounted, "
+        "or something holds it open exclusively); unmount it first")
+
+
 class Backend(abc.ABC):
     """See the module docstring for the contract."""
 
@@ -99,7 +107,9 @@ class Backend(abc.ABC):
     def destroy(self, name: str) -> None: ...
 
     @abc.abstractmethod
-    def open_device(self, ns: Namespace, readonly: bool) -> int: ...
+    def open_device(self, ns: Namespace, readonly: bool, exclusive: bool = False) -> int:
+        """``exclusive`` opens a block device O_EXCL: EBUSY (:func:`device_busy`) while
+        a file system on it is mounted, so an erase never runs under a live mount."""
 
     def probe(self) -> tuple[bool, str]:
         pools = self.pools()

@@ -23,13 +23,14 @@ VM tier.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 from pathlib import Path
 
 from csi_pmem import loops
-from csi_pmem.backends.base import Backend, Namespace, Pool
+from csi_pmem.backends.base import Backend, Namespace, Pool, device_busy
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 LABEL_SLOTS_PER_REGION = 510  # what one NVDIMM's label area holds (DESIGN.md 1.4)
 SUFFIXES = {".dax": "devdax", ".fsdax": "fsdax"}
 SUFFIX_FOR = {mode: suffix for suffix, mode in SUFFIXES.items()}
+TMP_SUFFIX = ".tmp"  # a backing file being allocated: not a namespace yet
 
 
 def parse_regions(spec: str) -> dict[int, int]:
@@ -77,9 +79,14 @@ class EmulatedBackend(Backend):
         self.root = Path(root)
         self.regions = dict(sorted(regions.items()))
         self.device_type = device_type
-        self._lock = threading.Lock()  # guards the loop-device map only
+        # Serialises loop attach/detach with unlinking backing files: listings attach
+        # loop devices on demand and run outside the driver's node lock.
+        self._lock = threading.Lock()
         for node in self.regions:
-            self._dir(f"region{node}").mkdir(parents=True, exist_ok=True)
+            region = self._dir(f"region{node}")
+            region.mkdir(parents=True, exist_ok=True)
+            for stale in region.glob(f".*{TMP_SUFFIX}"):  # a create cut short by a crash
+                stale.unlink(missing_ok=True)
 
     # -- layout -------------------------------------------------------------------
     def _dir(self, pool: str) -> Path:
@@ -141,6 +148,8 @@ class EmulatedBackend(Backend):
                 device = str(path)
                 if self._uses_loop(mode):
                     device = loops.get(str(path)) or self._attach(path, mode, usable)
+                    if not device:
+                        continue  # destroyed since the listing
                 result.append(Namespace(name=name, pool=pool, numa_node=node, size=size,
                                         usable_size=usable, align=align, device=device,
                                         handle=str(path), mode=mode, fs_dax=False))
@@ -161,17 +170,24 @@ class EmulatedBackend(Backend):
             raise ResourceExhausted(
                 f"{pool} (NUMA node {node}) has {free} bytes free, {size} needed")
         path = self._dir(pool) / f"{name}~{align}{SUFFIX_FOR[mode]}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        # Allocated under a temporary name and linked into place when complete, so a
+        # concurrent listing never sees (or loop-attaches) a half-allocated file.
+        tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
+            os.fsync(fd)
+            os.link(tmp, path)  # fails if the name appeared meanwhile: never clobbers
+        except FileExistsError as exc:
+            raise AlreadyExists(f"a namespace named {name} already exists") from exc
         except OSError as exc:
-            os.close(fd)
-            path.unlink(missing_ok=True)
             raise ResourceExhausted(
                 f"the file system under {self.root} has no room for {size} bytes "
                 f"({exc.strerror}); emulated regions promise more than it holds") from exc
-        os.fsync(fd)
-        os.close(fd)
+        finally:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
         try:
             ns = self.get(name)  # attaches the loop device of an fsdax namespace
         except BaseException:
@@ -185,16 +201,24 @@ class EmulatedBackend(Backend):
         ns = self.get(name)
         if ns is None:
             return
-        if self._uses_loop(ns.mode):
-            self._detach(ns.handle)
-        Path(ns.handle).unlink(missing_ok=True)
+        with self._lock:  # no listing may re-attach between detach and unlink
+            if self._uses_loop(ns.mode):
+                for device in loops.attached_to(ns.handle):
+                    loops.detach(device)
+            Path(ns.handle).unlink(missing_ok=True)
 
-    def open_device(self, ns: Namespace, readonly: bool) -> int:
+    def open_device(self, ns: Namespace, readonly: bool, exclusive: bool = False) -> int:
         flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
+        if exclusive and ns.device != ns.handle:
+            flags |= os.O_EXCL  # a block device: EBUSY while mounted
         try:
             return os.open(ns.device, flags)
         except FileNotFoundError as exc:
             raise NotFound(f"device {ns.device} of volume {ns.name} is gone") from exc
+        except OSError as exc:
+            if exc.errno == errno.EBUSY:
+                raise device_busy(ns) from exc
+            raise
 
     def device_present(self, ns: Namespace) -> bool:
         return os.path.exists(ns.handle) and os.path.exists(ns.device)
@@ -208,7 +232,8 @@ class EmulatedBackend(Backend):
 
     @staticmethod
     def _loop_map() -> dict[str, str]:
-        return loops.backing_map()
+        """{backing file: a loop device attached to it}."""
+        return {back: name for name, back in sorted(loops.devices().items(), reverse=True)}
 
     def _has_loops(self) -> bool:
         """Whether any namespace may sit on a loop device (skip losetup otherwise)."""
@@ -216,16 +241,13 @@ class EmulatedBackend(Backend):
             p.suffix == SUFFIX_FOR["fsdax"] for node in self.regions
             for p in self._files(f"region{node}"))
 
-    def _attach(self, path: Path, mode: str, usable: int) -> str:
-        """Attach ``path`` to a free loop device; an fsdax one ends at the usable size."""
+    def _attach(self, path: Path, mode: str, usable: int) -> str | None:
+        """Attach ``path`` to a free loop device (an fsdax one ends at the usable size);
+        None if the file was destroyed meanwhile."""
         with self._lock:
             existing = self._loop_map().get(str(path))
             if existing:
                 return existing
+            if not path.exists():
+                return None
             return loops.attach(str(path), sizelimit=usable if mode == "fsdax" else None)
-
-    def _detach(self, path: str) -> None:
-        with self._lock:
-            device = self._loop_map().get(path)
-            if device:
-                loops.detach(device)

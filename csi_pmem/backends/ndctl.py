@@ -38,6 +38,7 @@ to run at any time.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from csi_pmem.backends.base import Backend, Namespace, Pool
+from csi_pmem.backends.base import Backend, Namespace, Pool, device_busy
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
@@ -786,18 +787,22 @@ class NdctlBackend(Backend):
                        for r in listing.regions for ns in r.get("namespaces") or [])
 
     # -- devices --------------------------------------------------------------------
-    def open_device(self, ns: Namespace, readonly: bool) -> int:
+    def open_device(self, ns: Namespace, readonly: bool, exclusive: bool = False) -> int:
         if not ns.device:
             raise Unavailable(f"namespace {ns.name} ({ns.handle}) has no "
                               f"{_device_kind(ns.mode)}; is it disabled? try "
                               f"'ndctl enable-namespace {ns.handle}'")
         flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
+        if exclusive and ns.mode == "fsdax":
+            flags |= os.O_EXCL  # a block device: EBUSY while a file system is mounted
         try:
             return os.open(ns.device, flags)
         except FileNotFoundError as e:
             raise NotFound(f"device {ns.device} of volume {ns.name} does not exist; is /dev "
                            "the host's /dev in this container?") from e
         except OSError as e:
+            if e.errno == errno.EBUSY:
+                raise device_busy(ns) from e
             raise BackendError(f"cannot open {ns.device} of volume {ns.name}: "
                                f"{e.strerror}") from e
 
