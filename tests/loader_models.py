@@ -252,3 +252,23 @@ def shm_scratch(tmp_path: Path, prefix: str) -> Iterator[Path]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staging_interrupted_at(monkeypatch, prefix: str) -> Iterator[None]:
+    """Within the block, staging raises KeyboardInterrupt on the first chunk of the
+    file whose name starts with ``prefix`` (a stager killed mid-copy)."""
+    from csi_pmem.loader import staging
+
+    real = staging._copy_chunk
+
+    def stop(volume, fd, entry, off, length, source):
+        if entry.name.startswith(prefix):
+            raise KeyboardInterrupt
+        return real(volume, fd, entry, off, length, source)
+
+    monkeypatch.setattr(staging, "_copy_chunk", stop)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(staging, "_copy_chunk", real)

@@ -347,17 +347,10 @@ def test_interrupted_stage_is_not_trusted_and_resumes(shm, monkeypatch):
 def test_resume_recopies_a_done_file_that_was_damaged(shm, monkeypatch):
     lm.sharded_model(shm / "src")
     lm.volume_file(shm / "vol", 64 * MiB)
-    real = staging._copy_chunk
-
-    def stop_at_last(volume, fd, entry, off, length, source):
-        if entry.name.startswith("model-00003"):
-            raise KeyboardInterrupt
-        return real(volume, fd, entry, off, length, source)
-
-    monkeypatch.setattr(staging, "_copy_chunk", stop_at_last)
-    with open_volume(shm / "vol", writable=True) as v, pytest.raises(KeyboardInterrupt):
+    with lm.staging_interrupted_at(monkeypatch, "model-00003"), \
+            open_volume(shm / "vol", writable=True) as v, \
+            pytest.raises(KeyboardInterrupt):
         stage(v, str(shm / "src"), threads=1)
-    monkeypatch.setattr(staging, "_copy_chunk", real)
     with open_volume(shm / "vol") as v:
         first = layout.read_index(v).models[0].file("model-00001-of-00003.safetensors")
     assert first.done

@@ -133,17 +133,10 @@ def test_restaging_the_same_model_writes_nothing(shm, capsys):
 def test_an_interrupted_stage_resumes_in_the_same_image(shm, monkeypatch):
     lm.sharded_model(shm / "src")
     models = models_dir(shm)
-    real = staging._copy_chunk
-
-    def stop_at_last(volume, fd, entry, off, length, source):
-        if entry.name.startswith("model-00003"):
-            raise KeyboardInterrupt
-        return real(volume, fd, entry, off, length, source)
-
-    monkeypatch.setattr(staging, "_copy_chunk", stop_at_last)
-    with staging.open_for_staging(models) as v, pytest.raises(KeyboardInterrupt):
+    with lm.staging_interrupted_at(monkeypatch, "model-00003"), \
+            staging.open_for_staging(models) as v, \
+            pytest.raises(KeyboardInterrupt):
         stage(v, str(shm / "src"), threads=1)
-    monkeypatch.setattr(staging, "_copy_chunk", real)
     with pytest.raises(NoModelError, match="interrupted"):
         load_numpy(models)
     entry = index_of(models).models[0]
