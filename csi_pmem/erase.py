@@ -171,9 +171,9 @@ def zero_fd(fd: int, length: int, *, threads: int | None = None, verify: bool = 
     nthreads = threads if threads is not None else default_threads()
     if length == 0:
         return EraseResult(bytes=0, seconds=0.0, threads=0, verified=verify)
-    _check_target(fd, length)
     if stat.S_ISBLK(os.fstat(fd).st_mode):
-        return zero_block_fd(fd, length, threads=nthreads, verify=verify)
+        return zero_block_fd(fd, length, threads=nthreads, verify=verify)  # checks too
+    _check_target(fd, length)
     chunks = list(_chunks(length, chunk))
     nthreads = min(nthreads, len(chunks))
 

@@ -340,21 +340,19 @@ class FsdaxNode:
         return staging
 
     @staticmethod
-    def _check_dir_target(target: str) -> None:
+    def _refuse_mount_point(target: str) -> None:
         current = mounts.find(target)
         if current is not None:
             raise FailedPrecondition(
                 f"target {target} is already a mount point ({current.fstype} from "
                 f"{current.source}); refusing to mount over it")
+
+    def _check_dir_target(self, target: str) -> None:
+        self._refuse_mount_point(target)
         mounts.check_dir_target(target)
 
-    @staticmethod
-    def _check_file_target(target: str) -> None:
-        current = mounts.find(target)
-        if current is not None:
-            raise FailedPrecondition(
-                f"target {target} is already a mount point ({current.fstype} from "
-                f"{current.source}); refusing to bind a device over it")
+    def _check_file_target(self, target: str) -> None:
+        self._refuse_mount_point(target)
         if os.path.lexists(target):
             if os.path.islink(target) or not os.path.isfile(target):
                 raise FailedPrecondition(
