@@ -43,8 +43,9 @@ LABEL org.opencontainers.image.title="csi-pmem" \
 # e2e/cluster/image-packages.txt): python3 and python3-venv for the venv; ndctl and
 # daxctl carve and list namespaces; util-linux and mount give mount, umount, losetup
 # and findmnt (blkid probes fsdax volumes); e2fsprogs and xfsprogs make the ext4/xfs
-# file systems of fsdax volumes; libudev1 lets pyudev watch device events.
-ARG RUNTIME_PACKAGES="python3 python3-venv util-linux mount ndctl daxctl libudev1 e2fsprogs xfsprogs"
+# file systems of fsdax volumes; libudev1 lets pyudev watch device events; libpmem1 makes
+# the weights sidecar's stores into device-dax durable (pmem_persist).
+ARG RUNTIME_PACKAGES="python3 python3-venv util-linux mount ndctl daxctl libudev1 libpmem1 e2fsprogs xfsprogs"
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ${RUNTIME_PACKAGES} \

@@ -4,15 +4,32 @@ Why in the product: the only honest test of "a SIGKILL between writing the recor
 calling ndctl loses nothing" is to SIGKILL the real process at that exact point. The
 points are named in ``CSI_PMEM_FAILPOINTS`` (comma separated); when unset, ``hit`` is a
 dictionary lookup and nothing else.
+
+``name=stall`` instead of ``name`` stops the process at that point without killing it:
+it prints ``failpoint NAME stalled`` on stderr and sleeps until it is killed. The VM
+tier uses it to power the whole machine off (QEMU killed) with a stage stopped at a
+known step, which tests what is on the persistent memory then, not what a dying
+process's kernel still writes back.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 
-_ACTIVE = frozenset(p.strip() for p in os.environ.get("CSI_PMEM_FAILPOINTS", "").split(",")
-                    if p.strip())
+
+def _parse(text: str) -> dict[str, str]:
+    active = {}
+    for item in text.split(","):
+        name, _, action = item.strip().partition("=")
+        if name:
+            active[name] = action or "kill"
+    return active
+
+
+_ACTIVE = _parse(os.environ.get("CSI_PMEM_FAILPOINTS", ""))
 
 CREATE_AFTER_RECORD = "create-after-record"
 CREATE_AFTER_NAMESPACE = "create-after-namespace"
@@ -24,6 +41,15 @@ PUBLISH_AFTER_MOUNT = "publish-after-mount"
 PUBLISH_AFTER_SOCKET = "publish-after-socket"
 UNPUBLISH_AFTER_UMOUNT = "unpublish-after-umount"
 STAGE_AFTER_MKFS = "stage-after-mkfs"
+# Weight staging (csi_pmem.loader.staging, layout): the commit protocol's steps.
+WEIGHTS_AFTER_PLAN = "weights-after-plan"          # plan on the volume, no data yet
+WEIGHTS_AFTER_COPY = "weights-after-copy"          # a file's bytes persisted, not recorded
+WEIGHTS_AFTER_FILE = "weights-after-file"          # one file recorded done, others not
+WEIGHTS_BEFORE_COMMIT = "weights-before-commit"    # every file done, model not committed
+WEIGHTS_INDEX_BODY = "weights-index-body"          # a new index body persisted, no header
+WEIGHTS_AFTER_COMMIT = "weights-after-commit"      # commit record persisted
+WEIGHTS = (WEIGHTS_AFTER_PLAN, WEIGHTS_AFTER_COPY, WEIGHTS_AFTER_FILE, WEIGHTS_BEFORE_COMMIT,
+           WEIGHTS_INDEX_BODY, WEIGHTS_AFTER_COMMIT)
 ALL = (CREATE_AFTER_RECORD, CREATE_AFTER_NAMESPACE, DELETE_AFTER_RECORD, DELETE_AFTER_ERASE,
        DELETE_AFTER_DESTROY, PUBLISH_AFTER_RECORD, PUBLISH_AFTER_MOUNT, PUBLISH_AFTER_SOCKET,
        UNPUBLISH_AFTER_UMOUNT)
@@ -32,6 +58,12 @@ FSDAX = (STAGE_AFTER_MKFS, PUBLISH_AFTER_RECORD, PUBLISH_AFTER_MOUNT, UNPUBLISH_
 
 
 def hit(name: str) -> None:
-    """SIGKILL this process if fail point ``name`` is active."""
-    if name in _ACTIVE:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """SIGKILL this process if fail point ``name`` is active (or stall it there)."""
+    action = _ACTIVE.get(name)
+    if action is None:
+        return
+    if action == "stall":
+        print(f"failpoint {name} stalled", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -83,6 +83,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         result = staging.stage(vol, args.src, name=args.name, revision=args.revision,
                                replace=args.replace, threads=args.threads, progress=progress)
         image = f" (image {vol.image}, {format_size(vol.size)})" if vol.image else ""
+        durable = vol.persistence.detail
     progress.end()
     m = result.model
     if result.already:
@@ -93,6 +94,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         print(f"staged {m.label()}: {len(m.files)} files, {format_size(m.size)} "
               f"({format_size(result.copied)} copied, {format_size(result.reused)} reused "
               f"after verification) in {result.seconds:.1f} s ({rate:.2f} GB/s){image}")
+        print(f"persisted with {durable}")
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything the driver and its tests need on a fresh Debian 12 machine:
 # system packages (util-linux for mount/losetup/blkid, e2fsprogs and xfsprogs for fsdax
-# file systems, libudev for pyudev), a virtual
+# file systems, libudev for pyudev, libpmem for durable stores into device-dax), a virtual
 # environment in .venv with the project and its test extras, pip's cache kept in
 # ~/.cache/pip between runs. Idempotent: a second run only checks.
 set -euo pipefail
@@ -15,6 +15,8 @@ command -v blkid >/dev/null || need_apt+=(util-linux)
 command -v mkfs.ext4 >/dev/null || need_apt+=(e2fsprogs)
 command -v mkfs.xfs >/dev/null || need_apt+=(xfsprogs)
 ldconfig -p 2>/dev/null | grep -q 'libudev.so.1 ' || need_apt+=(libudev1)
+# PMDK's libpmem: the weight loader persists stores into device-dax with pmem_persist.
+ldconfig -p 2>/dev/null | grep -q 'libpmem.so.1 ' || need_apt+=(libpmem1)
 python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ]; then

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from csi_pmem import failpoints
 from csi_pmem.loader.errors import LayoutError, NoModelError, VolumeTooSmallError
 from csi_pmem.loader.volume import MiB, Volume, format_size
 
@@ -344,8 +345,14 @@ def read_index(volume: Volume) -> Index | None:
         raise LayoutError(f"{volume.source}: {exc}") from exc
 
 
-def write_index(volume: Volume, index: Index) -> None:
-    """Write the next generation into the older slot and msync it."""
+def write_index(volume: Volume, index: Index, *, commit: bool = False) -> None:
+    """Write the next generation into the older slot and persist it.
+
+    The body is persisted before the header is stored, and the header after: with
+    cache-flush persistence (device-dax) nothing orders two stores' arrival on the
+    media otherwise, and a reader that finds the new header must find its body. A
+    header torn on its own fails its checksum, and readers take the other slot.
+    """
     generation = index.generation + 1
     blob = encode(index, generation)
     start = (generation % SLOTS) * SLOT_SIZE
@@ -353,8 +360,11 @@ def write_index(volume: Volume, index: Index) -> None:
     # Body first, header last: a reader that sees the new header sees a complete body
     # (the checksum would catch a tear either way).
     view[HEADER_SIZE:len(blob)] = blob[HEADER_SIZE:]
+    volume.persist(start + HEADER_SIZE, len(blob) - HEADER_SIZE)
+    if commit:
+        failpoints.hit(failpoints.WEIGHTS_INDEX_BODY)
     view[:HEADER_SIZE] = blob[:HEADER_SIZE]
-    volume.flush(start, SLOT_SIZE)
+    volume.persist(start, HEADER_SIZE)
     index.generation = generation
 
 

@@ -3,9 +3,10 @@
 Why a separate step from loading: staging writes (a sidecar with a read-write mount),
 loading only reads (the server, mounted read-only). Staging is restartable: the index
 records the plan first, then marks each file done after its bytes are copied,
-checksummed and msynced, and commits the model last, so a crash or signal at any point
-leaves either the previous state or a ``staging`` entry that loads refuse and the next
-``stage`` resumes (files already done are verified, not copied again).
+checksummed and persisted (:mod:`~csi_pmem.loader.persist`: a CPU cache flush on
+device-dax, msync on page-cache files), and commits the model last, so a crash or
+signal at any point leaves either the previous state or a ``staging`` entry that loads
+refuse and the next ``stage`` resumes (files already done are verified, not copied again).
 
 Copies go straight from the source file into the mapping (``preadv`` into a view of
 it): one copy, no intermediate buffer, and several chunks in flight on a thread pool
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+from csi_pmem import failpoints
 from csi_pmem.loader import checksum
 from csi_pmem.loader.errors import (
     ChecksumError,
@@ -152,6 +154,9 @@ def _copy_chunk(volume: Volume, fd: int, entry: FileEntry, off: int, length: int
         if n <= 0:
             raise LoaderError(f"{source} became shorter while it was being staged")
         got += n
+    # Durable before the index can say the file is done; in this thread, because the
+    # fence of a cache-flush persist orders only the calling thread's flushes.
+    volume.persist(entry.offset + off, length)
     return checksum.digest(view)
 
 
@@ -195,7 +200,9 @@ class _Copier:
                     self.done += length
                     left[f.name] -= 1
                     if left[f.name] == 0:
+                        failpoints.hit(failpoints.WEIGHTS_AFTER_COPY)
                         self._finish(f, fds[f.name], digests[f.name])
+                        failpoints.hit(failpoints.WEIGHTS_AFTER_FILE)
                     if self.progress:
                         self.progress(self.done, self.total, f.name)
         finally:
@@ -209,7 +216,6 @@ class _Copier:
         if (st.st_size, st.st_mtime_ns) != (src.size, src.mtime_ns):
             raise LoaderError(f"{src.path} changed while it was being staged; run stage "
                               "again once the source is complete")
-        self.volume.flush(f.offset, f.length)
         f.chunks, f.done = digests, True
         write_index(self.volume, self.index)
         log.info("staged %s (%s)", f.name, format_size(f.length))
@@ -261,6 +267,7 @@ def stage(volume: Volume, src_dir: str, *, name: str | None = None, revision: st
     model.updated = time.time()
     index.models.append(model)
     write_index(volume, index)  # the plan is on the volume before any data is
+    failpoints.hit(failpoints.WEIGHTS_AFTER_PLAN)
 
     by_name = {s.name: s for s in sources}
     reuse, copy = [], []
@@ -291,10 +298,12 @@ def stage(volume: Volume, src_dir: str, *, name: str | None = None, revision: st
             progress(reused, total, f"reused {len(reuse) - len(bad_files)} verified files")
     copier = _Copier(volume, index, model, by_name, threads, progress, total, reused)
     copier.run(copy)
+    failpoints.hit(failpoints.WEIGHTS_BEFORE_COMMIT)
     model.state = COMMITTED
     model.updated = time.time()
-    write_index(volume, index)
+    write_index(volume, index, commit=True)
     volume.sync()  # an image file: fsync (data, size, allocation)
+    failpoints.hit(failpoints.WEIGHTS_AFTER_COMMIT)
     return StageResult(model, total - reused, reused, time.monotonic() - started)
 
 

@@ -39,13 +39,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from csi_pmem import daxclient
+from csi_pmem.loader import persist as persistence
 from csi_pmem.loader.errors import (
     AlignmentError,
     ReadOnlyVolumeError,
     VolumeError,
     VolumeTooSmallError,
 )
-from csi_pmem.mounts import MountInfo, mountinfo
+from csi_pmem.mountinfo import MountInfo, mountinfo
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ PAGE = mmap.PAGESIZE
 # Linux 5.14+; Python 3.11's mmap module has no names for them.
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
+# include/uapi/linux/mman.h (x86-64); Python 3.11's mmap module has neither.
+MAP_SHARED_VALIDATE = getattr(mmap, "MAP_SHARED_VALIDATE", 0x03)
+MAP_SYNC = getattr(mmap, "MAP_SYNC", 0x80000)
 # statx(2) (glibc 2.28, Linux 5.8 for the DAX bit); Python 3.11's os has no statx.
 AT_EMPTY_PATH = 0x1000
 STATX_ATTR_DAX = 0x00200000
@@ -123,7 +127,9 @@ class Volume:
     def __init__(self, mapping: mmap.mmap, *, size: int, align: int, numa_node: int | None,
                  writable: bool, source: str, metadata: dict[str, Any] | None = None,
                  registration_refused_reason: str | None = None,
-                 image: str | None = None, fd: int | None = None):
+                 image: str | None = None, fd: int | None = None,
+                 persistence: persistence.Persistence = persistence.NONE,
+                 map_sync: bool = False):
         self.mapping: mmap.mmap | None = mapping
         self.size = size
         self.align = align
@@ -138,6 +144,9 @@ class Volume:
         self.registration_refused_reason = registration_refused_reason
         self.image = image
         self._fd = fd
+        # How stores become durable (persist.py); logged once per writable open.
+        self.persistence = persistence
+        self._map_sync = map_sync
 
     def __repr__(self) -> str:
         mode = "rw" if self.writable else "ro"
@@ -187,14 +196,17 @@ class Volume:
         bytes(self.buffer[start:start + length:PAGE])
         return "touch"
 
-    def flush(self, offset: int = 0, length: int | None = None) -> None:
-        """msync a range (page-rounded); a no-op for read-only mappings."""
+    def persist(self, offset: int = 0, length: int | None = None) -> None:
+        """Make a written range durable with this mapping's primitive
+        (:attr:`persistence`: cache flush + fence on device-dax and MAP_SYNC DAX files,
+        msync on page-cache mappings); a no-op for read-only mappings."""
         if not self.writable or self.mapping is None:
             return
         length = self.size - offset if length is None else length
-        start = offset - offset % PAGE
-        if length > 0:
-            self.mapping.flush(start, length + offset - start)
+        if offset < 0 or offset + length > self.size:
+            raise VolumeError(f"persist range [{offset}, {offset + length}) is outside the "
+                              f"volume {self.source} of {self.size} bytes")
+        self.persistence.persist(self.mapping, self.address, offset, length)
 
     @property
     def growable(self) -> bool:
@@ -236,7 +248,8 @@ class Volume:
 
     def _remap(self, size: int) -> None:
         assert self._fd is not None
-        mapping, _ = _map(self._fd, size, self.writable, False, self.source)
+        mapping, _, _ = _map(self._fd, size, self.writable, False, self.source,
+                             sync=self._map_sync)
         self._unmap()
         self.mapping, self._view = mapping, memoryview(mapping)
         self.size, self._address = size, None
@@ -353,45 +366,65 @@ def mount_of(path: str | None, mounts: Iterable[MountInfo], dev: str = "") -> Mo
     return found or same_fs
 
 
-def registration_refusal(fd: int, path: str | None = None, *,
-                         mounts: Iterable[MountInfo] | None = None) -> str | None:
-    """Why a mapping of the open ``fd`` must never be registered with CUDA, or None.
+def dax_file_reason(fd: int, path: str | None = None, *,
+                    mounts: Iterable[MountInfo] | None = None) -> str | None:
+    """Why the regular file ``fd`` is DAX (its mapping is the persistent memory itself),
+    or None for a page-cache file or anything that is not a regular file.
 
-    Cheap (an fstat, a statx, at most one read of mountinfo) and conservative: refused
-    are block devices (their mapping is page cache, and a raw fsdax device has no DAX
-    mmap: pinning it buys nothing for a one-shot copy) and DAX files, for which the
-    kernel refuses the FOLL_LONGTERM pins ``cudaHostRegister`` takes (DESIGN.md 1.3).
     A file is DAX when statx says so, or when the mount holding it (``mounts``, default
     the process's mountinfo; found by ``path`` and by the file's device, so an fd
     received over a socket without a path still finds its file system when it is
-    mounted here) has ``dax`` or ``dax=always``. devdax character devices, tmpfs,
-    hugetlbfs and other files keep the registered path.
+    mounted here) has ``dax`` or ``dax=always``.
     """
     st = os.fstat(fd)
-    name = path or f"fd {fd}"
-    if stat.S_ISBLK(st.st_mode):
-        return (f"{name} is a block device: its mapping is page cache, not DAX memory, "
-                "and pinning it for CUDA does not pay for a one-shot copy")
     if not stat.S_ISREG(st.st_mode):
         return None
-    why = ("the kernel refuses the long-term pins cudaHostRegister needs on fsdax "
-           "files")
     if statx_dax(fd):
-        return f"{name} is a DAX file (statx STATX_ATTR_DAX): {why}"
+        return "a DAX file (statx STATX_ATTR_DAX)"
     if mounts is None:
         try:
             mounts = mountinfo(MOUNTINFO)
         except OSError as exc:
             log.debug("cannot read %s (%s); assuming %s is not on a DAX mount",
-                      MOUNTINFO, exc, name)
+                      MOUNTINFO, exc, path or f"fd {fd}")
             return None
     mount = mount_of(os.path.realpath(path) if path else None, mounts,
                      f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
     dax = sorted(DAX_MOUNT_OPTIONS & mount.options) if mount is not None else []
     if mount is None or not dax:
         return None
-    return (f"{name} is on a DAX file system ({mount.fstype} {mount.source} at "
-            f"{mount.mount_point}, mounted with {dax[0]}): {why}")
+    return (f"on a DAX file system ({mount.fstype} {mount.source} at "
+            f"{mount.mount_point}, mounted with {dax[0]})")
+
+
+def registration_refusal(fd: int, path: str | None = None, *,
+                         mounts: Iterable[MountInfo] | None = None) -> str | None:
+    """Why a mapping of the open ``fd`` must never be registered with CUDA, or None.
+
+    Block devices (their mapping is page cache) and DAX files (the kernel refuses the
+    long-term pins cudaHostRegister needs on fsdax pages) are refused; devdax character
+    devices, tmpfs, hugetlbfs and other files keep the registered path.
+    """
+    st = os.fstat(fd)
+    name = path or f"fd {fd}"
+    if stat.S_ISBLK(st.st_mode):
+        return (f"{name} is a block device: its mapping is page cache, not DAX memory, "
+                "and pinning it for CUDA does not pay for a one-shot copy")
+    dax = dax_file_reason(fd, path, mounts=mounts)
+    if dax is None:
+        return None
+    return (f"{name} is {dax}: the kernel refuses the long-term pins cudaHostRegister "
+            "needs on fsdax files")
+
+
+def mapping_kind(fd: int, dax_reason: str | None) -> str:
+    """What a mapping of ``fd`` is, for :mod:`~csi_pmem.loader.persist`."""
+    st = os.fstat(fd)
+    if stat.S_ISCHR(st.st_mode):
+        return persistence.KIND_DEVDAX
+    if stat.S_ISREG(st.st_mode) and dax_reason is not None:
+        return persistence.KIND_DAX_FILE
+    return persistence.KIND_PAGE_CACHE
 
 
 def volume_image(path: str | os.PathLike[str]) -> str | None:
@@ -519,19 +552,33 @@ def prepare_image(image: str, size: int) -> bool:
     return True
 
 
-def _map(fd: int, size: int, writable: bool, prefault: bool,
-         source: str) -> tuple[mmap.mmap, bool]:
-    """Map ``fd``; the flag says whether MAP_POPULATE already prefaulted it."""
+def _map(fd: int, size: int, writable: bool, prefault: bool, source: str, *,
+         sync: bool = False) -> tuple[mmap.mmap, bool, bool]:
+    """Map ``fd``; the flags say whether MAP_POPULATE already prefaulted it and whether
+    the mapping is MAP_SYNC (asked with ``sync``, for writable DAX files: the file
+    system then keeps the metadata for every written page durable at fault time, so a
+    CPU cache flush persists the data; a file system that refuses falls back to a plain
+    shared mapping, persisted with msync)."""
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     flags = mmap.MAP_SHARED
     populate = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
+    if sync:
+        try:
+            return (mmap.mmap(fd, size, flags=MAP_SHARED_VALIDATE | MAP_SYNC | populate,
+                              prot=prot), bool(populate), True)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise VolumeError(f"mmap of {format_size(size)} of {source} failed: "
+                                  f"{exc}") from exc
+            log.warning("%s: MAP_SYNC refused (%s); mapping it without, stores are "
+                        "persisted with msync", source, exc)
     try:
-        return mmap.mmap(fd, size, flags=flags | populate, prot=prot), bool(populate)
+        return mmap.mmap(fd, size, flags=flags | populate, prot=prot), bool(populate), False
     except OSError as exc:
         if populate and exc.errno == errno.EINVAL:
             log.warning("%s: MAP_POPULATE refused (%s); mapping without it and prefaulting "
                         "with madvise", source, exc)
-            return mmap.mmap(fd, size, flags=flags, prot=prot), False
+            return mmap.mmap(fd, size, flags=flags, prot=prot), False, False
         hint = ""
         if exc.errno == errno.EINVAL:
             hint = " (devdax needs MAP_SHARED and a length on the namespace alignment)"
@@ -658,10 +705,20 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
             size -= size % align
         _check_geometry(image or path, size, align)
         # A socket's fd may come from another mount namespace: no path to trust there.
-        refused = registration_refusal(fd, (image or path) if opened_by_path else None)
+        trusted_path = (image or path) if opened_by_path else None
+        refused = registration_refusal(fd, trusted_path)
+        kind = mapping_kind(fd, dax_file_reason(fd, trusted_path))
         node = numa_node if numa_node is not None else meta.get("numa_node")
         node = int(node) if node is not None and int(node) >= 0 else None
-        mapping, populated = _map(fd, size, writable, prefault, image or path)
+        mapping, populated, synced = _map(fd, size, writable, prefault, image or path,
+                                          sync=writable and kind == persistence.KIND_DAX_FILE)
+        if kind == persistence.KIND_DAX_FILE and not synced:
+            kind = persistence.KIND_PAGE_CACHE
+        try:
+            durable = persistence.for_mapping(kind, writable)
+        except BaseException:
+            mapping.close()
+            raise
     except BaseException:
         os.close(fd)
         raise
@@ -669,8 +726,11 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
         os.close(fd)
     volume = Volume(mapping, size=size, align=align, numa_node=node, writable=writable,
                     source=image or path, metadata=meta, registration_refused_reason=refused,
-                    image=image, fd=fd if keep_fd else None)
+                    image=image, fd=fd if keep_fd else None, persistence=durable,
+                    map_sync=synced)
     if prefault and not populated:
         volume.prefault()
+    if writable:
+        log.info("%s: stores persisted with %s", volume.source, durable.detail)
     log.debug("opened %r", volume)
     return volume
