@@ -17,7 +17,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-CONFIGS = ("main", "misaligned")
+CONFIGS = ("main", "misaligned", "crash", "crash-check")
 
 
 def junit_cases(path: Path) -> list[dict]:
@@ -66,7 +66,54 @@ def fsdax_lines(facts: dict) -> list[str]:
     return lines
 
 
+def weights_lines(facts: dict, root: Path) -> list[str]:
+    """The weights workflow on the real devices: the persist primitive per kind of
+    volume, the staging benchmark against the host's, power-cut outcomes."""
+    lines = []
+    for kind, fact in sorted((facts.get("weights") or {}).items()):
+        lines.append(f"  weights on {kind}: stage/verify/ls/export/CPU load bit-exact "
+                     f"({fact.get('tensors')} tensors); persisted with {fact.get('persist')}")
+    one_g = facts.get("weights_1gib_align")
+    if one_g:
+        lines.append(f"  weights on devdax 1Gi align ({one_g['usable'] >> 30} GiB usable): "
+                     f"safetensors at {[o >> 30 for o in one_g['safetensors_offsets']]} GiB; "
+                     f"persisted with {one_g.get('persist')}")
+    for fact in (facts.get("power_cut") or {}).values():
+        lines.append(f"  power cut at {fact['point']}: {fact['state_after_power_cut']} -> "
+                     f"{fact['outcome']}" + (f" (reused {fact['reused']})"
+                                             if fact.get("reused") else ""))
+    guest = facts.get("staging_bench")
+    host = load_json(root / "host-staging-bench.json")
+    if guest:
+        line = (f"  staging into devdax in the guest: stage {guest['stage_GBps']:.3f} GB/s, "
+                f"verify {guest['verify_GBps']:.3f} GB/s ({guest['bytes'] >> 20} MiB)")
+        if host:
+            line += (f"; host tmpfs file (emulated back end): stage {host['stage_GBps']:.3f}, "
+                     f"verify {host['verify_GBps']:.3f} GB/s; guest/host "
+                     f"{guest['stage_GBps'] / host['stage_GBps']:.3f} (stage), "
+                     f"{guest['verify_GBps'] / host['verify_GBps']:.3f} (verify) under TCG")
+        lines.append(line)
+    return lines
+
+
+def summarise_crash_boot(d: Path) -> tuple[dict, list[str], bool]:
+    """The boot that ends in a power cut: fine when the host killed it as planned."""
+    plan = load_json(d / "crash-plan.json").get("namespaces") or {}
+    killed = (d / "killed").exists()
+    boot = (d / "boot_seconds").read_text().strip() if (d / "boot_seconds").exists() else "?"
+    ok = killed and bool(plan)
+    lines = [f"[{d.name}] {'PASS' if ok else 'FAIL'}: {len(plan)} stages in flight, QEMU "
+             f"{'SIGKILLed by the host' if killed else 'NOT killed'} after {boot} s"]
+    if not ok:
+        lines.append(f"  see {d / 'console.log'}")
+    for name, e in sorted(plan.items()):
+        lines.append(f"  {name}: {e['point']} (expect {e['expect']})")
+    return {"config": d.name, "ok": ok, "killed": killed, "plan": plan}, lines, ok
+
+
 def summarise_config(d: Path) -> tuple[dict, list[str], bool]:
+    if d.name == "crash":
+        return summarise_crash_boot(d)
     rc_text = (d / "rc").read_text().strip() if (d / "rc").exists() else "missing"
     boot = (d / "boot_seconds").read_text().strip() if (d / "boot_seconds").exists() else "?"
     junit = d / "junit.xml"
@@ -95,6 +142,7 @@ def summarise_config(d: Path) -> tuple[dict, list[str], bool]:
                          f"({res['seconds']} s, volume {res['volume_size'] / (1 << 20):g} MiB, "
                          f"access type {access})")
     lines += fsdax_lines(facts)
+    lines += weights_lines(facts, d.parent)
     ops = latency.get("operations") or {}
     if ops:
         lines.append(f"  latency ({latency.get('note', '')}):")

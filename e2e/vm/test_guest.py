@@ -64,6 +64,7 @@ from csi_pmem.sizes import (  # noqa: E402
     devdax_usable,
     round_down,
 )
+from e2e.vm import weights_guest as wg  # noqa: E402
 from tests import cgroups  # noqa: E402
 from tests.test_csi_sanity import (  # noqa: E402
     FLAVOURS,
@@ -1524,6 +1525,75 @@ def test_latency_samples(drv: Driver) -> None:
         publish(drv, vol.volume_id, target)
         unpublish(drv, vol.volume_id, target)
         delete(drv, vol.volume_id, op="DeleteVolume 64Mi (erase)")
+
+
+# ================================================== model weights on the real devices
+
+WEIGHTS_WORK = Path("/tmp/e2e-weights")
+
+
+def weights_model() -> Path:
+    WEIGHTS_WORK.mkdir(parents=True, exist_ok=True)
+    return wg.make_model(WEIGHTS_WORK / "model")
+
+
+def test_weights_on_a_devdax_volume(drv: Driver) -> None:
+    """The weights workflow a user runs, on a devdax volume the driver carved and
+    published, through its dax.sock: stage, verify, ls, export byte-identical, CPU load
+    bit-exact against safetensors, restage without copying, a flipped byte caught by
+    verify, the sidecar's first start and warm restart, a read-only publication that
+    loads and refuses staging, the loader's bad inputs. Stores are persisted with
+    libpmem (msync is EINVAL on device-dax)."""
+    model = weights_model()
+    with volume(drv, unique("w"), 64 * MiB) as vol, \
+            published(drv, vol.volume_id, drv.target("weights-rw")) as target:
+        fact = wg.workflow(target, model, WEIGHTS_WORK)
+        assert fact["persist"].startswith("libpmem pmem_persist"), fact
+        assert "device-dax" in fact["persist"], fact
+        fact["bad_inputs"] = wg.bad_inputs(target, WEIGHTS_WORK)
+        fact["sidecar"] = wg.sidecar_first_and_warm(target, model)
+        with published(drv, vol.volume_id, drv.target("weights-ro"), readonly=True) as ro:
+            wg.assert_loads_bit_exact(ro, model, "m")
+            refused = wg.cli("stage", model, ro, "--name", "other", rc=None)
+            assert refused.returncode != 0 and "published read-only" in refused.stderr
+            fact["read_only"] = refused.stderr.strip().splitlines()[0]
+    FACTS.setdefault("weights", {})["devdax 2Mi (dax.sock)"] = fact
+
+
+def test_weights_staging_throughput_on_devdax(drv: Driver) -> None:
+    """benchmarks/bench_staging.py on a published devdax volume; run.sh runs the same
+    on the host's tmpfs (the emulated back end's volumes) and the summary prints the
+    ratio (TCG: only the ratio means anything)."""
+    with volume(drv, unique("wb"), 160 * MiB) as vol, \
+            published(drv, vol.volume_id, drv.target("weights-bench")) as target:
+        proc = run([sys.executable, str(REPO / "benchmarks" / "bench_staging.py"), target,
+                    "--size-mib", "48", "--work", str(WEIGHTS_WORK),
+                    "--json", str(OUT / "staging-bench.json")], timeout=900)
+    result = json.loads((OUT / "staging-bench.json").read_text())
+    assert result["persist"].startswith("libpmem pmem_persist"), result
+    FACTS["staging_bench"] = result
+    print(proc.stdout)
+
+
+@pytest.mark.parametrize("fs_type", ["ext4", "xfs"])
+def test_weights_on_an_fsdax_filesystem(drv: Driver, fs_type: str) -> None:
+    """The same workflow on an fsdax Filesystem volume (ext4/xfs mounted -o dax by the
+    driver): the weights live in the image file, mapped MAP_SYNC and persisted with
+    libpmem; a read-only publication of the same file system loads."""
+    size, cap = FS_SIZES[fs_type], fs_cap(fs_type)
+    model = weights_model()
+    name = unique(f"wfs{fs_type}")
+    staging = staging_path(drv, name)
+    with volume(drv, name, size, fsdax_params(), op=f"CreateVolume fsdax {size >> 20}Mi",
+                caps=[cap]) as vol, staged(drv, vol.volume_id, staging, cap):
+        with published_as(drv, vol.volume_id, drv.target(f"wfs-{fs_type}"), cap,
+                          staging) as target:
+            fact = wg.workflow(target, model, WEIGHTS_WORK)
+            assert "DAX file mapped MAP_SYNC" in fact["persist"], fact
+        with published_as(drv, vol.volume_id, drv.target(f"wfs-{fs_type}-ro"), cap,
+                          staging, readonly=True) as ro:
+            wg.assert_loads_bit_exact(ro, model, "m")
+    FACTS.setdefault("weights", {})[f"fsdax {fs_type} -o dax (image file)"] = fact
 
 
 # ============================================================== misaligned config

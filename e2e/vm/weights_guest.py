@@ -1,0 +1,151 @@
+"""The weights workflow as a user runs it, for the VM tier's guests.
+
+Why a module of its own: the main configuration runs it on volumes the driver
+published (devdax through ``dax.sock``, fsdax ext4/xfs image files) and the crash
+configurations run it on namespaces that survived a power cut; both need the same
+``csi-pmem-weights`` invocations and the same bit-exact checks. Every command is a
+fresh ``csi-pmem-weights`` process, and every failure must be a one-line error, never
+a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from csi_pmem.loader import layout, load_numpy, open_volume
+from csi_pmem.weights_cli import EXIT_MISMATCH
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+import loader_models as lm  # noqa: E402
+
+
+def cli(*args: Any, rc: int | None = 0, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run ``csi-pmem-weights ARGS`` in a fresh process; check its exit status (None:
+    any) and that it never printed a traceback."""
+    proc = subprocess.run([sys.executable, "-m", "csi_pmem.weights_cli", *map(str, args)],
+                          capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    assert "Traceback" not in proc.stderr, f"csi-pmem-weights {args}: {proc.stderr}"
+    if rc is not None:
+        assert proc.returncode == rc, (f"csi-pmem-weights {' '.join(map(str, args))} exited "
+                                       f"{proc.returncode}, not {rc}:\n{proc.stdout}\n"
+                                       f"{proc.stderr}")
+    return proc
+
+
+def make_model(directory: Path, big_mib: int = 0, shards: int = 3) -> Path:
+    """A small sharded safetensors model with config files (deterministic: the crash
+    configurations build it again after the reboot); ``big_mib`` adds one shard of that
+    many MiB so a stage takes long enough to be cut in the middle."""
+    if directory.exists():
+        shutil.rmtree(directory)
+    lm.sharded_model(directory, shards=shards)
+    (directory / "config.json").write_text(json.dumps({"model_type": "vm-test"}))
+    if big_mib:
+        lm.large_model(directory / "big", big_mib * lm.MiB)
+        for f in (directory / "big").iterdir():
+            f.rename(directory / f"big-{f.name}")
+        (directory / "big").rmdir()
+    return directory
+
+
+def assert_loads_bit_exact(volume: str, model: Path, name: str | None = None) -> int:
+    """Load every tensor on the CPU (views of the mapping) and compare the raw bytes
+    with what safetensors itself reads from the source; returns the tensor count."""
+    got = load_numpy(volume, **({"model": name} if name else {}))
+    ref = lm.reference(model)
+    assert sorted(got) == sorted(ref)
+    for key, arr in ref.items():
+        assert got[key].tobytes() == arr.tobytes(), f"{key} differs"
+    return len(ref)
+
+
+def persisted_with(stage_stdout: str) -> str:
+    m = re.search(r"^persisted with (.*)$", stage_stdout, re.M)
+    assert m, f"stage printed no persistence line:\n{stage_stdout}"
+    return m.group(1)
+
+
+def first_weight_offset(volume: str, name: str) -> int:
+    """Volume offset of a byte inside the first safetensors file's data."""
+    with open_volume(volume) as v:
+        model = layout.read_index(v).select(name)
+        f = next(f for f in model.files if f.kind == layout.KIND_SAFETENSORS)
+        return f.offset + f.length - 1
+
+
+def flip_byte(volume: str, offset: int) -> None:
+    with open_volume(volume, writable=True) as v:
+        v.buffer[offset] ^= 0xFF
+        v.persist(offset, 1)
+
+
+def workflow(volume: str, model: Path, work: Path, *, name: str = "m") -> dict[str, Any]:
+    """stage, verify, ls, export byte-identical, CPU load bit-exact, restage (nothing
+    copied), a flipped byte caught by verify and repaired by a restage; returns what
+    the closing report needs (the persist primitive, counts)."""
+    out = cli("stage", model, volume, "--name", name, "-q").stdout
+    fact: dict[str, Any] = {"persist": persisted_with(out), "stage": out.splitlines()[0]}
+    assert f"{name}: OK" in cli("verify", volume, "-q").stdout
+    assert name in cli("ls", volume).stdout
+    export = work / f"export-{name}"
+    shutil.rmtree(export, ignore_errors=True)
+    cli("export", volume, export, "--model", name, "-q")
+    assert lm.tree_digest(export) == lm.tree_digest(model), "export differs from the source"
+    fact["tensors"] = assert_loads_bit_exact(volume, model, name)
+    again = cli("stage", model, volume, "--name", name, "-q").stdout
+    assert "already staged" in again and "nothing copied" in again, again
+    off = first_weight_offset(volume, name)
+    flip_byte(volume, off)
+    bad = cli("verify", volume, "-q", rc=EXIT_MISMATCH).stdout
+    assert "bad chunk" in bad, bad
+    flip_byte(volume, off)
+    assert f"{name}: OK" in cli("verify", volume, "-q").stdout
+    return fact
+
+
+def bad_inputs(volume: str, work: Path) -> list[str]:
+    """The loader's refusals on this volume: each a one-line error and a non-zero exit."""
+    seen = []
+    no_weights = work / "no-weights"
+    no_weights.mkdir(exist_ok=True)
+    (no_weights / "config.json").write_text("{}")
+    for args, expect in (
+        (("stage", work / "no-such-model", volume, "--name", "x"), "is not a directory"),
+        (("export", volume, work / "x-out", "--model", "no-such-model"), "no-such-model"),
+        (("verify", volume, "--model", "no-such-model"), "no-such-model"),
+        (("stage", no_weights, volume, "--name", "x"), "no *.safetensors"),
+        (("ls", work / "missing-volume"), "does not exist"),
+    ):
+        proc = cli(*args, rc=None)
+        assert proc.returncode != 0, args
+        err = proc.stderr.strip()
+        assert err.startswith("csi-pmem-weights: error:") and expect in err, (args, err)
+        seen.append(err.splitlines()[0])
+    return seen
+
+
+def sidecar_once(volume: str, model: Path, name: str) -> dict[str, Any]:
+    proc = cli("sidecar", "--volume", volume, "--source", model, "--name", name, "--once",
+               "--listen", "127.0.0.1:0", "--log-format", "text")
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def sidecar_first_and_warm(volume: str, model: Path, name: str = "side") -> dict[str, Any]:
+    first = sidecar_once(volume, model, name)
+    assert first["action"] == "staged" and first["bytes_copied"] == first["bytes"] > 0, first
+    warm = sidecar_once(volume, model, name)
+    assert warm["action"] == "already-staged" and warm["bytes_copied"] == 0, warm
+    return {"first": {k: first.get(k) for k in ("action", "bytes", "startup_seconds")},
+            "warm": {k: warm.get(k) for k in ("action", "bytes_copied", "startup_seconds")}}
+
+
+def env_without_csi() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("CSI_PMEM_")}
