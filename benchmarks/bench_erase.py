@@ -2,7 +2,7 @@
 """Measure how fast the driver erases a volume, and whether its threads really help.
 
 Why: DeleteVolume zeroes the whole namespace before the space can be reused
-(DESIGN 1.4), so erase throughput bounds how quickly capacity comes back. The
+(docs/design.md §4), so erase throughput bounds how quickly capacity comes back. The
 multi-threaded path only pays off if ``ctypes.memset`` and ``memcmp`` release the GIL;
 this benchmark checks that claim in one run, on one file, with the modes alternating
 so that drift (other load, frequency changes) hits all of them alike.

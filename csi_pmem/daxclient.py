@@ -4,7 +4,7 @@ Why this exists: a devdax volume is not a device node inside the pod. The pod's 
 cgroup would refuse open() of ``/dev/daxX.Y`` anyway, so the node plugin opens the device
 itself and hands the open fd to an authenticated peer over a unix socket in the published
 volume directory (device cgroups are checked only at open()/mknod(), never at mmap, read,
-write or page faults; see DESIGN.md 1.2). This module is that peer's half: the CLI, the
+write or page faults; see docs/design.md §2). This module is that peer's half: the CLI, the
 weight loader and the tests use it inside the pod.
 
 The protocol is one message from server to client: a JSON object terminated by ``\\n``

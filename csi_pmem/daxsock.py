@@ -1,6 +1,6 @@
 """Node-plugin side of ``dax.sock``: hand the devdax fd to the pod that owns the volume.
 
-Why this exists: device cgroups are checked at open() and mknod() only (DESIGN.md 1.2),
+Why this exists: device cgroups are checked at open() and mknod() only (docs/design.md §2),
 so an fd opened by the node plugin and passed over a unix socket (SCM_RIGHTS) can be
 mmapped by a pod whose device cgroup denies the device. That makes this server the
 authorisation point for devdax volumes: it checks who connected (SO_PEERCRED, then the

@@ -1,6 +1,6 @@
 """Zero a volume's memory before anyone else can read it.
 
-Why this exists (DESIGN 1.4): persistent memory keeps its contents when a namespace
+Why this exists (docs/design.md §4): persistent memory keeps its contents when a namespace
 is destroyed, and the next namespace carved from the same region maps the same media.
 Without an explicit erase, a new volume would hand the previous tenant's data (model
 weights, KV caches, secrets) to whoever claims it next. intel/pmem-csi used ``shred``

@@ -2,7 +2,7 @@
 
 Why separate from devdax publishing: an fsdax namespace is a block device
 (``/dev/pmemX.Y``), so it is published the way every block-storage CSI driver does it,
-not through dax.sock (DESIGN.md 2.1):
+not through dax.sock (docs/design.md §6.1):
 
 - ``volumeMode: Block``: NodePublishVolume creates the target file and binds the device
   node onto it; kubelet then loop-attaches it and gives the container the device with

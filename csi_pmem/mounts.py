@@ -1,6 +1,6 @@
 """The mounts the driver makes (devdax tmpfs, fsdax binds) and reading mountinfo.
 
-Why: a devdax character device cannot be a Block volume (DESIGN.md 1.1), so a
+Why: a devdax character device cannot be a Block volume (docs/design.md §1), so a
 published volume is a tiny tmpfs at the pod's target path holding ``volume.json`` and
 ``dax.sock``. The mount source is ``csi-pmem:<volume id>``, which is how the driver
 recognises its own mounts after a restart (mountinfo is the truth about mounts, the

@@ -1,7 +1,7 @@
 """The one way the driver runs external commands (ndctl, mount, umount, ...).
 
-Why a module of its own: every external command must behave the same way (DESIGN.md
-section 4): an argv list (never a shell), a timeout that really kills the command, a
+Why a module of its own: every external command must behave the same way (docs/design.md
+§8): an argv list (never a shell), a timeout that really kills the command, a
 fixed ``LC_ALL=C`` locale so error texts can be classified, a debug log line with the
 duration, and one exception type (:class:`csi_pmem.errors.CommandError`) carrying argv,
 exit status and stderr. The :class:`Runner` class exists so back ends can take a runner

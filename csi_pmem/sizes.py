@@ -2,7 +2,7 @@
 
 Why this module exists: a devdax namespace keeps its struct-page map on the device
 (``map=dev``), so a namespace of N bytes offers less than N to the client (a 256 MiB
-namespace gives 250 MiB, see DESIGN.md 1.4). The driver promises that a pod always
+namespace gives 250 MiB, see docs/design.md §4). The driver promises that a pod always
 gets at least what it asked for, so it must over-allocate by exactly the metadata and
 alignment the kernel will take. The formula mirrors ``nd_pfn_init()`` in
 ``drivers/nvdimm/pfn_devs.c``: an 8 KiB info block, 64 bytes of struct page per 4 KiB

@@ -1,7 +1,7 @@
 """Hostile input for every RPC the driver serves: only documented codes come back.
 
 Why: the CO, a misconfigured StorageClass or a buggy sidecar can send anything a
-protobuf can carry. DESIGN.md 2.5 promises a precise code with a readable message for
+protobuf can carry. docs/design.md §6.5 promises a precise code with a readable message for
 every failure, never UNKNOWN or INTERNAL and never a traceback, and the node plugin
 serves every published volume's dax.sock, so one bad request must never take it down.
 
@@ -150,7 +150,7 @@ BOOLS = {"true", "yes", "1", "on", "false", "no", "0", "off"}
 
 
 def classify(key: str, value: str) -> str:
-    """The contract's verdict on one parameter (DESIGN.md 2, Parameters)."""
+    """The contract's verdict on one parameter (docs/design.md §6.7, parameters)."""
     if key.startswith(CO_PREFIX):
         return "ok"
     text = value.strip()
@@ -636,7 +636,7 @@ def test_delete_volume(env, vid, secrets):
     text, kind = vid
     result = env.call(env.d.controller.DeleteVolume, csi_pb2.DeleteVolumeRequest(
         volume_id=env.real(text), secrets=secrets))
-    # Unknown ids, well-formed or not, are already deleted: OK (DESIGN.md 2, contract).
+    # Unknown ids, well-formed or not, are already deleted: OK (docs/design.md §6.7).
     want = {"empty": IA, "published": FP}.get(kind, C.OK)
     assert result.code == want, result.details
     if kind == "spare":

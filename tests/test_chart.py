@@ -3,7 +3,7 @@
 Why: the cluster tier (``make e2e-cluster``) installs the chart on a real kubelet, but it
 takes many minutes and cannot say which of the chart's promises broke. These tests
 render the chart with ``helm template`` and hold it to the facts the design rests on
-(shared/DESIGN.md 1.2 and 1.5): the CSIDriver fields kubelet and the scheduler read,
+(docs/design.md §2 and §5): the CSIDriver fields kubelet and the scheduler read,
 hostPID for the dax.sock peer check, Bidirectional propagation on the kubelet
 directory, external-provisioner in node-deployment mode with capacity tracking, RBAC
 that covers exactly what that mode needs, StorageClasses that point at the driver.
@@ -166,7 +166,7 @@ def test_driver_has_volume_mount_group_so_fsgroup_needs_no_policy() -> None:
 
 def test_node_plugin_pod(default: Manifests) -> None:
     pod = default.pod
-    assert pod["hostPID"] is True, "SO_PEERCRED pids must resolve in /proc (DESIGN 1.2)"
+    assert pod["hostPID"] is True, "SO_PEERCRED pids must resolve in /proc (docs/design.md §2)"
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["serviceAccountName"] == default.one("ServiceAccount")["metadata"]["name"]
     assert {c["name"] for c in pod["containers"]} == {

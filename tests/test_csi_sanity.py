@@ -255,7 +255,7 @@ def workdir() -> Iterator[Path]:
 @pytest.fixture
 def pools_dir(workdir: Path) -> Iterator[Path]:
     """Where the emulated back end keeps its backing files: tmpfs when there is room,
-    as in production (DESIGN 2), so erasing deleted volumes writes RAM, not disk."""
+    as in production (docs/design.md §6.2), so erasing deleted volumes writes RAM, not disk."""
     shm = Path("/dev/shm")
     try:
         st = os.statvfs(shm)

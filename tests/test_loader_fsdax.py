@@ -3,7 +3,7 @@ system mounted ``-o dax``, and a raw block device (``volumeMode: Block``).
 
 What is held here: the cheap up-front decision that such mappings are never registered
 with CUDA (the kernel refuses FOLL_LONGTERM pins of fsdax pages; a block device's
-mapping is page cache, DESIGN.md 1.1 and 1.3), the reason the loader records, and
+mapping is page cache, docs/design.md §1 and §3), the reason the loader records, and
 that a model staged onto a block device loads byte-exact. No DAX-capable device exists
 here, so DAX mounts are fed as mountinfo text; the block device is a real loop device
 (root only, like the fd-delivery tests).

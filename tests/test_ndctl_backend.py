@@ -3,7 +3,7 @@
 The fixtures under ``fixtures/ndctl`` are shaped after what ndctl prints
 (``ndctl/list.c`` ``region_to_json``, ``ndctl/json.c`` ``util_namespace_to_json``,
 ``daxctl/json.c``) for a QEMU guest with two 1 GiB NVDIMMs on NUMA nodes 0 and 1
-(DESIGN.md 3). ``*_fsdax.json`` add fsdax namespaces (a pfn device: ``blockdev``,
+(docs/design.md §7). ``*_fsdax.json`` add fsdax namespaces (a pfn device: ``blockdev``,
 ``sector_size``, the block device's size) and a sector one. ``sysfs_*.json`` map paths
 under ``/sys`` to file contents. No root, no ndctl, no kernel. Also covers
 :mod:`csi_pmem.udev`.

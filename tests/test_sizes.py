@@ -1,4 +1,4 @@
-"""Sizing: the devdax overhead formula against what the kernel gave in QEMU (DESIGN 1.4)."""
+"""Sizing: the devdax overhead formula against what the kernel gave in QEMU (docs/design.md §4)."""
 
 import pytest
 from hypothesis import given

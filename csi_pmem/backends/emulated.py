@@ -42,7 +42,7 @@ from csi_pmem.sizes import REGION_ALIGN, devdax_usable, parse_quantity, round_do
 
 log = logging.getLogger(__name__)
 
-LABEL_SLOTS_PER_REGION = 510  # what one NVDIMM's label area holds (DESIGN.md 1.4)
+LABEL_SLOTS_PER_REGION = 510  # what one NVDIMM's label area holds (docs/design.md §4)
 SUFFIXES = {".dax": "devdax", ".fsdax": "fsdax"}
 SUFFIX_FOR = {mode: suffix for suffix, mode in SUFFIXES.items()}
 TMP_SUFFIX = ".tmp"  # a backing file being allocated: not a namespace yet

@@ -2,7 +2,7 @@
 
 Why: this is the production path. Each volume is one labelled devdax or fsdax namespace
 whose alt-name is the volume id, so the label area is the durable record of which namespace
-belongs to which volume (DESIGN.md 1.4, 2.3). Everything goes through ``ndctl`` with
+belongs to which volume (docs/design.md §4, §6.3). Everything goes through ``ndctl`` with
 JSON output (argv lists, timeouts, ``LC_ALL=C``: :mod:`csi_pmem.runner`); sysfs under
 ``/sys/bus/nd/devices`` is read only for facts ``ndctl list`` does not print.
 

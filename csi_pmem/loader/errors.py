@@ -21,7 +21,7 @@ class ReadOnlyVolumeError(VolumeError):
 
 
 class AlignmentError(VolumeError):
-    """A size or offset breaks the devdax alignment rules (DESIGN.md 1.3)."""
+    """A size or offset breaks the devdax alignment rules (docs/design.md §3)."""
 
 
 class LayoutError(LoaderError):

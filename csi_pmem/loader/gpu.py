@@ -1,6 +1,6 @@
 """The GPU path (torch, imported lazily): bounce buffers, or a registered mapping.
 
-Why two paths (DESIGN.md 1.3):
+Why two paths (docs/design.md §3):
 - Bounce (:mod:`.pipeline`): pinned buffers allocated once per loader, filled by memcpy
   threads on the volume's NUMA node and drained by one CUDA stream. Works for any
   mapping; costs CPU and memory bandwidth (each byte is read, written, read again).

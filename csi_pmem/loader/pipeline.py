@@ -1,7 +1,7 @@
 """The bounce-buffer pipeline: memcpy threads fill reusable pinned buffers, one stream
 drains them to the device, events say when a buffer may be filled again.
 
-Why this shape (DESIGN.md 1.3): pageable host-to-device copies reach about 7.8 GB/s on
+Why this shape (docs/design.md §3): pageable host-to-device copies reach about 7.8 GB/s on
 an H200 host, pinned ones about 55; registering or allocating a model-sized pinned
 buffer per load costs 0.03-0.4 s/GiB. A few pinned buffers allocated once, filled by
 several threads on the volume's NUMA node (``ctypes.memmove`` releases the GIL), keep

@@ -3,7 +3,7 @@
 Why: ``cudaHostRegister`` makes a range of the mapping pinned memory, so
 ``cudaMemcpyAsync`` moves it at full link speed with no memcpy thread and no bounce
 buffer. Registration costs about 0.03 s/GiB (2 MiB pages) to 0.1 s/GiB (4 KiB pages),
-so it pays when the mapping is loaded from more than once (DESIGN.md 1.3). We register
+so it pays when the mapping is loaded from more than once (docs/design.md §3). We register
 in 1 GiB pieces in volume order and start the copies of each piece as soon as it is
 registered, so a first load pays roughly max(registration, copy) rather than their sum;
 single registrations of 512 GiB or more fail on recent drivers anyway. Pieces stay

@@ -1,7 +1,7 @@
 """The safetensors format, parsed from any buffer (a mapping), without the library.
 
 Why our own parser: safetensors and torch open files by name, and a devdax volume has
-none (DESIGN.md 1.3). The format is small: an 8-byte little-endian header length, a
+none (docs/design.md §3). The format is small: an 8-byte little-endian header length, a
 JSON header mapping each tensor name to dtype, shape and ``data_offsets`` (relative to
 the end of the header), then the data. We validate everything a malicious or truncated
 file could get wrong before any view is made over it, because a view past the end of a

@@ -1,7 +1,7 @@
 """Open a weight volume as one shared mapping, whichever way it reaches this process.
 
 Why: a devdax volume has no file the usual loaders can open (st_size is 0, no
-read()/write(); DESIGN.md 1.3), and inside a pod it is not even a device node: the fd
+read()/write(); docs/design.md §3), and inside a pod it is not even a device node: the fd
 arrives over the published directory's ``dax.sock``. Everything else in the loader
 works on one ``MAP_SHARED`` mapping from offset 0, so this module is the one place that
 knows the sources: a published volume directory (or its socket), a devdax character
@@ -20,7 +20,7 @@ stage time, not a SIGBUS in the middle of a copy) and never shrinks it (pods may
 It also decides, once per open, whether the mapping may ever be registered with CUDA
 (:func:`registration_refusal`): the kernel refuses the long-term pins
 ``cudaHostRegister`` needs on fsdax files, and a block device's mapping is page cache
-(DESIGN.md 1.1, 1.3). Such volumes carry ``registration_refused_reason`` and the GPU
+(docs/design.md §1, §3). Such volumes carry ``registration_refused_reason`` and the GPU
 loader goes straight to bounce buffers instead of trying and failing.
 """
 

@@ -2,7 +2,7 @@
 
 Why shared: CreateVolume, ValidateVolumeCapabilities, GetCapacity, NodeStageVolume and
 NodePublishVolume must refuse the same things with the same words, above all a Block
-access type on a devdax class (DESIGN.md 1.1: kubelet loop-attaches every block volume
+access type on a devdax class (docs/design.md §1: kubelet loop-attaches every block volume
 and loop rejects character devices, so the pod would hang in ContainerCreating forever).
 What is valid depends on the device mode: fsdax volumes are block devices and take
 Block, or a Filesystem access type with ext4 or xfs.

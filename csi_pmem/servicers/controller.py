@@ -2,7 +2,7 @@
 
 Validates requests, delegates to :class:`csi_pmem.driver.Driver`, translates results.
 Topology is one segment per node (``<driver-name>/node``); NUMA placement is a pool
-chosen by the ``numaNode`` StorageClass parameter (DESIGN.md 1.5).
+chosen by the ``numaNode`` StorageClass parameter (docs/design.md §5).
 """
 
 from __future__ import annotations

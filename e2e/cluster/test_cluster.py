@@ -430,7 +430,7 @@ def test_capacity_objects_per_class(release: Cluster) -> None:
         if reply.get("maximum_volume_size"):
             assert caps[cls][1] == int(reply["maximum_volume_size"]), (cls, caps, reply)
     # Empty pools of 2 GiB each, less the on-device metadata a volume's usable size
-    # excludes (DESIGN.md 1.4: about 1.56%); the class without numaNode sees both, and
+    # excludes (docs/design.md §4: about 1.56%); the class without numaNode sees both, and
     # its largest volume is one pool's (a volume never spans pools).
     assert caps[CLASS_N0] == caps[CLASS_N1], caps
     assert 0.97 * POOL <= caps[CLASS_N0][0] <= POOL, caps

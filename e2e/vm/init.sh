@@ -97,7 +97,7 @@ in_root() { chroot /newroot /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:
     HOME=/root LC_ALL=C.UTF-8 TMPDIR=/tmp "$@"; }
 
 if ! grep -q "csi_pmem.labels=0" /proc/cmdline; then
-    # Fresh emulated NVDIMMs are label-less and cannot be sub-divided (DESIGN.md 1.4).
+    # Fresh emulated NVDIMMs are label-less and cannot be sub-divided (docs/design.md §4).
     in_root ndctl disable-region all >>/out/init.log 2>&1
     in_root ndctl init-labels -f all >>/out/init.log 2>&1 || log "init-labels failed"
     in_root ndctl enable-region all >>/out/init.log 2>&1 || log "enable-region failed"

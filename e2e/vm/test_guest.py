@@ -639,7 +639,7 @@ def test_probe_and_plugin_info(drv: Driver) -> None:
     info = drv.node.NodeGetInfo(csi_pb2.NodeGetInfoRequest(), timeout=60)
     assert info.node_id == NODE_ID
     FACTS["max_volumes_per_node"] = info.max_volumes_per_node
-    # ~510 label slots per DIMM (DESIGN 1.4); one DIMM per region here.
+    # ~510 label slots per DIMM (docs/design.md §4); one DIMM per region here.
     assert info.max_volumes_per_node > 100
 
 
@@ -769,7 +769,7 @@ def expected_capacity(params: dict[str, str]) -> tuple[int, int]:
 
     A pool's free bytes are rounded down to the allocation step (lcm of the region
     align and the devdax align), then converted to what a devdax namespace of that raw
-    size offers (struct-page metadata on the device, DESIGN 1.4). An fsdax namespace
+    size offers (struct-page metadata on the device, docs/design.md §4). An fsdax namespace
     (map=dev, 2 MiB align) keeps the same metadata: its block device is as large as a
     2Mi devdax device of the same raw size (test_fsdax_usable_size_and_placement).
     """
