@@ -10,6 +10,7 @@ a traceback.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -64,6 +65,10 @@ def assert_loads_bit_exact(volume: str, model: Path, name: str | None = None) ->
     assert sorted(got) == sorted(ref)
     for key, arr in ref.items():
         assert got[key].tobytes() == arr.tobytes(), f"{key} differs"
+    # The views keep the mapping (and so an fsdax file system's mount) busy until they
+    # are collected: drop them before the caller unpublishes.
+    del got
+    gc.collect()
     return len(ref)
 
 
