@@ -405,12 +405,14 @@ def registration_refusal(fd: int, path: str | None = None, *,
     long-term pins cudaHostRegister needs on fsdax pages) are refused; devdax character
     devices, tmpfs, hugetlbfs and other files keep the registered path.
     """
-    st = os.fstat(fd)
+    return _refusal(fd, path, dax_file_reason(fd, path, mounts=mounts))
+
+
+def _refusal(fd: int, path: str | None, dax: str | None) -> str | None:
     name = path or f"fd {fd}"
-    if stat.S_ISBLK(st.st_mode):
+    if stat.S_ISBLK(os.fstat(fd).st_mode):
         return (f"{name} is a block device: its mapping is page cache, not DAX memory, "
                 "and pinning it for CUDA does not pay for a one-shot copy")
-    dax = dax_file_reason(fd, path, mounts=mounts)
     if dax is None:
         return None
     return (f"{name} is {dax}: the kernel refuses the long-term pins cudaHostRegister "
@@ -706,8 +708,9 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
         _check_geometry(image or path, size, align)
         # A socket's fd may come from another mount namespace: no path to trust there.
         trusted_path = (image or path) if opened_by_path else None
-        refused = registration_refusal(fd, trusted_path)
-        kind = mapping_kind(fd, dax_file_reason(fd, trusted_path))
+        dax = dax_file_reason(fd, trusted_path)  # one mountinfo read for both uses
+        refused = _refusal(fd, trusted_path, dax)
+        kind = mapping_kind(fd, dax)
         node = numa_node if numa_node is not None else meta.get("numa_node")
         node = int(node) if node is not None and int(node) >= 0 else None
         mapping, populated, synced = _map(fd, size, writable, prefault, image or path,
