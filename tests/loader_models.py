@@ -262,10 +262,10 @@ def staging_interrupted_at(monkeypatch, prefix: str) -> Iterator[None]:
 
     real = staging._copy_chunk
 
-    def stop(volume, fd, entry, off, length, source):
+    def stop(volume, fd, entry, off, length, source, algo):
         if entry.name.startswith(prefix):
             raise KeyboardInterrupt
-        return real(volume, fd, entry, off, length, source)
+        return real(volume, fd, entry, off, length, source, algo)
 
     monkeypatch.setattr(staging, "_copy_chunk", stop)
     try:

@@ -36,6 +36,7 @@ from csi_pmem.loader import (
     staging,
     start_load,
     verify,
+    wsum,
 )
 from csi_pmem.loader.stformat import parse_header
 
@@ -138,11 +139,13 @@ def test_stage_export_round_trip_is_byte_identical(shm):
         written = export(v, str(shm / "out"))
     assert len(written) == 6
     assert lm.tree_digest(shm / "out") == lm.tree_digest(shm / "src")
-    # The digest of a file is the SHA-256 of its chunk digests (64 MiB chunks).
+    # New stages checksum 64 MiB chunks with wsum64 (the file digest is the SHA-256
+    # of the chunk checksums).
     with open_volume(shm / "vol") as v:
-        f = layout.read_index(v).models[0].file("config.json")
+        model = layout.read_index(v).models[0]
     data = (shm / "src" / "config.json").read_bytes()
-    assert f.chunks == [hashlib.sha256(data).hexdigest()]
+    assert model.algo == "wsum64"
+    assert model.file("config.json").chunks == [wsum.digest(data)]
 
 
 def test_layout_offsets_are_aligned(shm):
@@ -320,11 +323,11 @@ def test_interrupted_stage_is_not_trusted_and_resumes(shm, monkeypatch):
     real = staging._copy_chunk
     calls = []
 
-    def flaky(volume, fd, entry, off, length, source):
+    def flaky(volume, fd, entry, off, length, source, algo):
         calls.append(entry.name)
         if len(calls) == 5:
             raise OSError("simulated I/O error mid-copy")
-        return real(volume, fd, entry, off, length, source)
+        return real(volume, fd, entry, off, length, source, algo)
 
     monkeypatch.setattr(staging, "_copy_chunk", flaky)
     with open_volume(shm / "vol", writable=True) as v, pytest.raises(OSError, match="mid-copy"):

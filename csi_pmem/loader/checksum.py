@@ -1,9 +1,12 @@
 """Parallel verification of staged bytes against the index's chunk checksums.
 
-Why chunks and threads: one SHA-256 stream runs at one core's speed (about 0.5-2 GB/s),
-far below what a copy to the GPU reaches; hashlib releases the GIL, so 64 MiB chunks
-hashed by a pool scale with cores. Loads of a tensor subset verify only the chunks that
-hold the tensors they read.
+Two algorithms, named per model in the index (``ModelEntry.algo``): ``wsum64``
+(:mod:`.wsum`, what staging writes now; GPU loads check it on the device after the copy)
+and ``sha256`` (volumes staged by earlier versions; still verified, on the host). Why
+chunks and threads: one checksum stream runs at one core's speed, far below what a copy
+to the GPU reaches; hashlib and numpy release the GIL, so 64 MiB chunks summed by a
+pool scale with cores. Loads of a tensor subset verify only the chunks that hold the
+tensors they read.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from csi_pmem.loader import wsum
+from csi_pmem.loader.errors import LayoutError
 from csi_pmem.loader.layout import FileEntry, ModelEntry, chunk_ranges
 from csi_pmem.loader.volume import Volume
 
@@ -32,6 +37,7 @@ class Chunk:
     offset: int  # absolute in the volume
     length: int
     expected: str
+    algo: str = wsum.ALGO
 
 
 def model_chunks(model: ModelEntry, files: Iterable[FileEntry] | None = None,
@@ -46,12 +52,24 @@ def model_chunks(model: ModelEntry, files: Iterable[FileEntry] | None = None,
             if wanted is not None and not any(
                     a < start + length and start < b for a, b in wanted):
                 continue
-            out.append(Chunk(f.name, i, start, length, f.chunks[i] if f.chunks else ""))
+            out.append(Chunk(f.name, i, start, length, f.chunks[i] if f.chunks else "",
+                             model.algo))
     return out
 
 
-def digest(view: memoryview) -> str:
+def _sha256(view: memoryview) -> str:
     return hashlib.sha256(view).hexdigest()
+
+
+DIGESTS: dict[str, Callable[[memoryview], str]] = {"sha256": _sha256, wsum.ALGO: wsum.digest}
+
+
+def digest(view: memoryview, algo: str = wsum.ALGO) -> str:
+    try:
+        return DIGESTS[algo](view)
+    except KeyError:
+        raise LayoutError(f"unknown checksum algorithm {algo!r}; this version knows "
+                          f"{', '.join(sorted(DIGESTS))} (upgrade csi-pmem)") from None
 
 
 @dataclass(frozen=True)
@@ -62,11 +80,11 @@ class Mismatch:
     def __str__(self) -> str:
         c = self.chunk
         return (f"{c.file}: chunk {c.index} (volume bytes {c.offset}-{c.offset + c.length}) "
-                f"has sha256 {self.got[:16]}…, staged as {c.expected[:16]}…")
+                f"has {c.algo} {self.got[:16]}…, staged as {c.expected[:16]}…")
 
 
 def _check(volume: Volume, chunk: Chunk) -> Mismatch | None:
-    got = digest(volume.view(chunk.offset, chunk.length))
+    got = digest(volume.view(chunk.offset, chunk.length), chunk.algo)
     return None if got == chunk.expected else Mismatch(chunk, got)
 
 

@@ -14,10 +14,10 @@ Why this shape:
   model is trusted only once its entry says ``committed``; that entry is written after
   its data was copied, checksummed and msynced. An interrupted stage therefore leaves
   an entry in ``staging`` state that loads refuse and a later stage resumes.
-- Checksums are SHA-256 over 64 MiB chunks of each file, from :mod:`hashlib`: no new
-  dependency (xxhash is not one), OpenSSL uses the SHA extensions of current x86 and
-  Arm CPUs, and hashlib releases the GIL, so chunks verify in parallel threads. A
-  file's digest is the SHA-256 of its chunk digests.
+- Checksums cover 64 MiB chunks of each file, with the algorithm the model entry names
+  (``algo``): ``wsum64`` (:mod:`.wsum`, written since the GPU loader checks it on the
+  device at memory speed) or ``sha256`` (volumes staged before; still loaded and
+  verified). A file's digest is the SHA-256 of its chunk checksums.
 
 Header of a slot (64 bytes, little-endian): magic ``CSIPMEMW``, version u32, header
 size u32, generation u64, JSON length u64, then SHA-256 of those 32 bytes plus the JSON
@@ -48,7 +48,9 @@ SLOTS = 2
 INDEX_AREA = SLOTS * SLOT_SIZE
 CHUNK_SIZE = 64 * MiB
 AUX_ALIGN = 4096
-ALGO = "sha256"
+ALGO = "wsum64"  # what new stages write (csi_pmem.loader.wsum)
+# Checksum algorithms this version reads, and the length of one chunk's hex checksum.
+ALGOS = {"wsum64": 32, "sha256": 64}
 
 STAGING = "staging"
 COMMITTED = "committed"
@@ -201,7 +203,7 @@ def _int(doc: dict[str, Any], key: str, where: str) -> int:
     return value
 
 
-def _file_from(doc: Any, where: str) -> FileEntry:
+def _file_from(doc: Any, where: str, hex_len: int = 64) -> FileEntry:
     if not isinstance(doc, dict):
         raise LayoutError(f"index: {where} is not an object")
     name = doc.get("name")
@@ -212,7 +214,7 @@ def _file_from(doc: Any, where: str) -> FileEntry:
         raise LayoutError(f"index: file {name!r} has unknown kind {kind!r}")
     chunks = doc.get("chunks") or []
     if not isinstance(chunks, list) or not all(
-            isinstance(c, str) and len(c) == 64 for c in chunks):
+            isinstance(c, str) and len(c) == hex_len for c in chunks):
         raise LayoutError(f"index: file {name!r} has malformed checksums")
     src_size, src_mtime = doc.get("source_size"), doc.get("source_mtime_ns")
     return FileEntry(name=name, offset=_int(doc, "offset", f"file {name!r}"),
@@ -229,16 +231,19 @@ def _model_from(doc: Any) -> ModelEntry:
     state = doc.get("state")
     if state not in (STAGING, COMMITTED):
         raise LayoutError(f"index: model {name!r} has unknown state {state!r}")
-    if doc.get("algo", ALGO) != ALGO:
-        raise LayoutError(f"index: model {name!r} uses checksum {doc.get('algo')!r}; this "
-                          f"version knows {ALGO} only (upgrade csi-pmem)")
+    # Entries written before the algorithm was recorded per model are SHA-256.
+    algo = doc.get("algo", "sha256")
+    if algo not in ALGOS:
+        raise LayoutError(f"index: model {name!r} uses checksum {algo!r}; this version "
+                          f"knows {', '.join(sorted(ALGOS))} (upgrade csi-pmem)")
     files = doc.get("files")
     if not isinstance(files, list):
         raise LayoutError(f"index: model {name!r} has no file list")
     return ModelEntry(name=name, revision=str(doc.get("revision") or ""), state=state,
-                      files=[_file_from(f, f"model {name!r} file #{i}")
+                      files=[_file_from(f, f"model {name!r} file #{i}", ALGOS[algo])
                              for i, f in enumerate(files)],
                       chunk_size=_int(doc, "chunk_size", f"model {name!r}") or CHUNK_SIZE,
+                      algo=algo,
                       updated=float(doc.get("updated") or 0.0))
 
 

@@ -146,7 +146,7 @@ def _open_index(volume: Volume, replace: bool) -> Index:
 
 
 def _copy_chunk(volume: Volume, fd: int, entry: FileEntry, off: int, length: int,
-                source: str) -> str:
+                source: str, algo: str) -> str:
     view = volume.view(entry.offset + off, length)
     got = 0
     while got < length:
@@ -157,7 +157,7 @@ def _copy_chunk(volume: Volume, fd: int, entry: FileEntry, off: int, length: int
     # Durable before the index can say the file is done; in this thread, because the
     # fence of a cache-flush persist orders only the calling thread's flushes.
     volume.persist(entry.offset + off, length)
-    return checksum.digest(view)
+    return checksum.digest(view, algo)
 
 
 class _Copier:
@@ -186,7 +186,7 @@ class _Copier:
                 left[f.name] = len(ranges)
                 for i, (off, length) in enumerate(ranges):
                     fut = pool.submit(_copy_chunk, self.volume, fds[f.name], f, off, length,
-                                      self.sources[f.name].path)
+                                      self.sources[f.name].path, self.model.algo)
                     pending[fut] = (f, i, length)
                 if not ranges:
                     self._finish(f, fds[f.name], [])
@@ -377,7 +377,7 @@ def export(volume: Volume, dest: str, name: str | None = None, *, overwrite: boo
 def _export_chunk(volume: Volume, fd: int, chunk: checksum.Chunk,
                   file_off: int) -> checksum.Mismatch | None:
     view = volume.view(chunk.offset, chunk.length)
-    got = checksum.digest(view)
+    got = checksum.digest(view, chunk.algo)
     if got != chunk.expected:
         return checksum.Mismatch(chunk, got)
     off = 0
