@@ -9,7 +9,6 @@ later load would trust.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct

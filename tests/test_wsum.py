@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from csi_pmem.loader import ChecksumError, LayoutError, layout, open_volume, stage, verify, wsum
+from csi_pmem.loader import ChecksumError, LayoutError, layout, open_volume, verify, wsum
 from csi_pmem.loader.api import load_numpy
 
 import loader_models as lm

@@ -111,7 +111,8 @@ def run_cpu(view: ModelView, *, threads: int = 12, buffers: int = 24,
     verify_bytes = sum(c.length for c in chunk_list)
     verify_s = _best(lambda: checksum.verify_chunks(view.volume, chunk_list,
                                                     threads=nthreads), 1)
-    results.append(Result(f"{view.model.algo} verify on the host, {nthreads} threads", verify_bytes, verify_s))
+    results.append(Result(f"{view.model.algo} verify on the host, {nthreads} threads",
+                          verify_bytes, verify_s))
 
     src = np.ones(min(total, 1 << 30) or 1, dtype=np.uint8)
     dst = np.empty_like(src)
