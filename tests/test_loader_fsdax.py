@@ -26,7 +26,7 @@ from csi_pmem.loader import (
     start_load,
 )
 from csi_pmem.loader import volume as volume_mod
-from csi_pmem.loader.gpu import AUTO, BOUNCE, REGISTERED, choose_path
+from csi_pmem.loader.gpu import AUTO, BOUNCE, HYBRID, REGISTERED, choose_path
 from csi_pmem.loader.volume import registration_refusal, statx_dax
 from csi_pmem.mounts import MountInfo, mountinfo
 
@@ -81,7 +81,7 @@ def test_a_tmpfs_or_plain_file_may_be_registered(shm):
         assert v.registration_refused_reason is None
         # Today's behaviour is kept: registered on demand, or from the second load.
         assert choose_path(REGISTERED, v, 1, False, 2) == (REGISTERED, None)
-        assert choose_path(AUTO, v, 1, False, 2) == (BOUNCE, None)
+        assert choose_path(AUTO, v, 1, False, 2) == (HYBRID, None)
         assert choose_path(AUTO, v, 2, False, 2) == (REGISTERED, None)
         assert choose_path(AUTO, v, 5, False, None) == (BOUNCE, None)
         assert choose_path(BOUNCE, v, 5, True, 2) == (BOUNCE, None)

@@ -192,3 +192,51 @@ def test_register_pieces_are_per_file_and_stable_under_subsets():
     assert pieces == [(0, 2048), (2048, 4096), (4096, 5000), (6144, 8192), (8192, 9000)]
     # A subset gets exactly the pieces the full model has for those files.
     assert set(register_pieces(files[1:], step=2048)) <= set(pieces)
+
+
+def _pieces_of(sizes: list[int]) -> list[list[plan.Chunk]]:
+    seq = iter(range(10_000))
+    return [[plan.Chunk(next(seq), 0, 0, 1, (plan.Piece(0, 0, 1),)) for _ in range(n)]
+            for n in sizes]
+
+
+def test_meet_in_the_middle_hands_out_every_chunk_once():
+    by_piece = _pieces_of([3, 0, 2, 4, 1, 5])
+    sides = plan.MeetInTheMiddle(by_piece)
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def back() -> None:
+        while (c := sides.take()) is not None:
+            with lock:
+                got.append(c.seq)
+            time.sleep(0.001)
+
+    def front() -> None:
+        while (i := sides.claim_front()) is not None:
+            with lock:
+                got.extend(c.seq for c in by_piece[i])
+            time.sleep(0.002)
+
+    threads = [threading.Thread(target=back) for _ in range(3)] + [
+        threading.Thread(target=front)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(15)) and not sides.left
+    # The front side works from the first pieces, the back side from the last.
+    assert sides.front_pieces == sorted(sides.front_pieces)
+    assert not sides.front_pieces or sides.front_pieces[0] == 0
+
+
+def test_a_piece_given_back_goes_to_the_back_side():
+    by_piece = _pieces_of([2, 2, 2])
+    sides = plan.MeetInTheMiddle(by_piece)
+    first = sides.claim_front()
+    assert first == 0
+    sides.give_back(first)  # its registration failed
+    taken = []
+    while (c := sides.take()) is not None:
+        taken.append(c.seq)
+    assert sorted(taken) == list(range(6)) and sides.front_pieces == []

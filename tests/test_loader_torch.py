@@ -66,7 +66,7 @@ def test_cpu_views_share_the_mapping_and_outlive_close(models):
 
 
 @cuda
-@pytest.mark.parametrize("mode", ["bounce", "registered"])
+@pytest.mark.parametrize("mode", ["bounce", "registered", "hybrid"])
 @pytest.mark.parametrize("kind", ["np", "bf16", "sharded", "small"])
 def test_gpu_matches_safetensors(models, kind, mode):
     from csi_pmem.loader.gpu import GpuLoader
@@ -137,7 +137,7 @@ def test_auto_mode_registers_a_reused_mapping(models):
     vol = lm.staged_volume(models / "np", models / "v")
     with GpuLoader("cuda:0", auto_register_after=2) as loader, open_volume(vol) as v:
         load_safetensors(v, "cuda:0", loader=loader)
-        assert loader.last_path == "bounce"
+        assert loader.last_path == "hybrid"
         load_safetensors(v, "cuda:0", loader=loader)
         assert loader.last_path == "registered"
 
@@ -160,15 +160,52 @@ def test_refused_registration_falls_back_loudly(models, monkeypatch, caplog):
 
 
 @cuda
-def test_gpu_load_refuses_corrupt_data(models):
+@pytest.mark.parametrize("mode", ["bounce", "registered", "hybrid"])
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_gpu_load_refuses_corrupt_data(models, mode, where):
+    from csi_pmem.loader.gpu import GpuLoader
+
     vol = lm.staged_volume(models / "np", models / "v")
     with open_volume(vol) as v:
         f = read_index(v).models[0].files[0]
     with open(vol, "r+b") as fh:
+        # The last tensor bytes are checked on the device, the header from the mapping.
+        fh.seek(f.offset + f.length - 3 if where == "data" else f.offset + 9)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0x10]))
+    with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=2, mode=mode) as loader, \
+            pytest.raises(ChecksumError, match="wsum64"):
+        load_safetensors(str(vol), "cuda:0", loader=loader)
+
+
+@cuda
+def test_device_sums_equal_the_host_sums():
+    import numpy as np
+
+    from csi_pmem.loader import wsum
+
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 3 * 8 * wsum.ROW * 4 + 123, dtype=np.uint8)
+    dev = torch.from_numpy(data).cuda()
+    for start, end in [(0, len(data)), (8, 8 * wsum.ROW + 5), (16, 24), (0, 3)]:
+        assert wsum.device_sums(dev[start:end]) == wsum.cpu_sums(data[start:end].tobytes())
+    chunk = 8 * wsum.ROW * 4
+    assert wsum.device_chunk_sums(dev[:3 * chunk], chunk) == [
+        wsum.cpu_sums(data[i * chunk:(i + 1) * chunk].tobytes()) for i in range(3)]
+
+
+@cuda
+def test_a_subset_load_is_verified_on_the_host(models):
+    vol = lm.staged_volume(models / "sharded", models / "v")
+    with open_volume(vol) as v:
+        f = read_index(v).models[0].file("model-00002-of-00003.safetensors")
+    with open(vol, "r+b") as fh:
         fh.seek(f.offset + f.length - 3)
         fh.write(b"\xff\xfe\xfd")
     with pytest.raises(ChecksumError):
-        load_safetensors(str(vol), "cuda:0")
+        # One tensor of the file: its chunk also holds bytes this load does not copy.
+        load_safetensors(str(vol), "cuda:0", names=["layers.1.3.weight"])
 
 
 @cuda

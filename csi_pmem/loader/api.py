@@ -95,9 +95,43 @@ def default_loader(device: str) -> Any:
         return loader
 
 
-def _verify(handle: LoadHandle, selection: dict[str, list[TensorInfo]],
-            threads: int | None) -> None:
-    view = handle.view
+class _Verification:
+    """Joins the parts of one load's verification (host chunks, device files) into
+    ``handle.verified``: None once every part passed, else :class:`ChecksumError`."""
+
+    def __init__(self, handle: LoadHandle, parts: int):
+        self.handle, self.left = handle, parts
+        self.bad: list[checksum.Mismatch] = []
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        if parts == 0:
+            handle.verified.set_result(None)
+
+    def part(self, bad: list[checksum.Mismatch], error: BaseException | None) -> None:
+        with self._lock:
+            self.bad += bad
+            self.error = self.error or error
+            self.left -= 1
+            if self.left:
+                return
+        view = self.handle.view
+        exc = self.error
+        if exc is None and self.bad:
+            exc = ChecksumError(
+                f"{len(self.bad)} chunk(s) of model {view.model.label()} on "
+                f"{view.volume.source} do not match their staged checksums, first: "
+                f"{self.bad[0]}. The volume copy is damaged; stage the model again")
+        if exc is not None:
+            log.error("%s", exc)
+            self.handle.verified.set_exception(exc)
+        else:
+            log.debug("verified in %.3f s", time.monotonic() - self.started)
+            self.handle.verified.set_result(None)
+
+
+def _verify_on_host(joined: _Verification, view: ModelView,
+                    selection: dict[str, list[TensorInfo]], threads: int | None) -> None:
     ranges = {}
     for fname, tensors in selection.items():
         f = view.file(fname)
@@ -105,27 +139,11 @@ def _verify(handle: LoadHandle, selection: dict[str, list[TensorInfo]],
         ranges[fname] = [(f.offset, view.headers[fname].data_start)] + [
             (t.offset, t.offset + max(t.nbytes, 1)) for t in tensors]
     chunks = checksum.model_chunks(view.model, [view.file(f) for f in selection], ranges)
-    started = time.monotonic()
-    # Every allowed CPU: hashing is the slow part of a verified load.
+    # Every allowed CPU: hashing is the slow part of a host-verified load.
     fut = checksum.start_verify(view.volume, chunks,
                                 threads=threads or len(os.sched_getaffinity(0)))
-
-    def relay(f: Future[list[checksum.Mismatch]]) -> None:
-        exc = f.exception()
-        if exc is None and f.result():
-            bad = f.result()
-            exc = ChecksumError(
-                f"{len(bad)} chunk(s) of model {view.model.label()} on {view.volume.source} "
-                f"do not match their staged checksums, first: {bad[0]}. The volume copy is "
-                "damaged; stage the model again")
-        if exc is not None:
-            log.error("%s", exc)
-            handle.verified.set_exception(exc)
-        else:
-            log.debug("verified %d chunks in %.3f s", len(chunks), time.monotonic() - started)
-            handle.verified.set_result(None)
-
-    fut.add_done_callback(relay)
+    fut.add_done_callback(lambda f: joined.part(
+        [] if f.exception() else f.result(), f.exception()))
 
 
 def _close_when_done(handle: LoadHandle, gpu: Any) -> None:
@@ -180,8 +198,25 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
     gpu = None if device == "cpu" else (loader or default_loader(device))
     if owned:
         _close_when_done(handle, gpu)
+    on_data = None
     if verify:
-        _verify(handle, selection, verify_threads)
+        plans = {}
+        if gpu is not None:
+            from csi_pmem.loader.gpuverify import device_plan
+
+            plans = {f: p for f, ts in selection.items()
+                     if (p := device_plan(view, f, ts)) is not None}
+        host = {f: ts for f, ts in selection.items() if f not in plans}
+        joined = _Verification(handle, (1 if host else 0) + (1 if plans else 0))
+        if host:
+            _verify_on_host(joined, view, host, verify_threads)
+        if plans:
+            from csi_pmem.loader.gpuverify import DeviceVerifier
+
+            verifier = DeviceVerifier(view, plans, gpu.device, joined.part)
+            on_data = verifier.submit
+            handle.done.add_done_callback(
+                lambda f: f.exception() and verifier.fail(f.exception()))
     else:
         handle.verified.set_result(None)
     if prefault:
@@ -205,7 +240,7 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
 
     def run() -> None:
         try:
-            path = gpu.load(view, selection, handle._tensor, handle._file)
+            path = gpu.load(view, selection, handle._tensor, handle._file, on_data)
             handle._finish(path)
             log.info("loaded %d tensors (%.2f GB) to %s in %.3f s (%.1f GB/s, %s path)",
                      len(handle.tensors), handle.nbytes / 1e9, device, handle.seconds,

@@ -10,12 +10,15 @@ transfer and waits for it, so the recycling logic is tested with a fake device t
 performs the "DMA" only when waited on (a buffer reused too early shows up as wrong
 bytes).
 
-Order of events for one chunk: a worker takes a free buffer, memcpys the chunk's
-pieces into it, enqueues the transfer and records the buffer's event (under one lock,
-so the in-flight queue is in stream order), and hands (buffer, chunk) to the caller's
-thread, which waits for the event, returns the buffer to the free list and reports the
-chunk done. Every job produces exactly one in-flight item, also when it fails or is
-cancelled, so the caller never waits for an item that will not come.
+Order of events for one chunk: a worker claims the next chunk (from a list, or from a
+``take()`` callable that another copy path shares: the hybrid first load takes chunks
+from the back of the model while registration works from the front), takes a free
+buffer, memcpys the chunk's pieces into it, enqueues the transfer and records the
+buffer's event (under one lock, so the in-flight queue is in stream order), and hands
+(buffer, chunk) to the caller's thread, which waits for the event, returns the buffer
+to the free list and reports the chunk done. Every claimed chunk produces exactly one
+in-flight item, also when it fails or is cancelled, and every worker one end marker, so
+the caller never waits for an item that will not come.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from csi_pmem.loader.numa import pin_current_thread
 from csi_pmem.loader.plan import Chunk
 
 Memcpy = Callable[[int, int, int], object]
+Take = Callable[[], "Chunk | None"]
+_END = object()
 
 
 class Backend(Protocol):
@@ -59,6 +64,7 @@ class BouncePipeline:
         self.nbuffers = nbuffers
         self.buffer_size = buffer_size
         self.memcpy = memcpy
+        self.threads = threads
         self._issue = threading.Lock()
         self._busy = threading.Lock()
 
@@ -74,27 +80,38 @@ class BouncePipeline:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def run(self, chunks: Iterable[Chunk], src_base: int,
+    def run(self, chunks: Iterable[Chunk] | Take, src_base: int,
             on_done: Callable[[Chunk], None]) -> None:
         """Move ``chunks`` (pieces are offsets from ``src_base``); call ``on_done`` for
-        each in the caller's thread once its bytes are on the device."""
+        each in the caller's thread once its bytes are on the device. ``chunks`` may be
+        a ``take()`` callable returning the next chunk or None; it is called from the
+        worker threads and must be thread-safe."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this pipeline is already running a load")
         try:
-            self._run(list(chunks), src_base, on_done)
+            if callable(chunks):
+                take = chunks
+            else:
+                pending = list(chunks)
+                pending.reverse()
+                lock = threading.Lock()
+
+                def take() -> Chunk | None:
+                    with lock:
+                        return pending.pop() if pending else None
+
+            self._run(take, src_base, on_done)
         finally:
             self._busy.release()
 
-    def _run(self, chunks: list[Chunk], src_base: int,
-             on_done: Callable[[Chunk], None]) -> None:
+    def _run(self, take: Take, src_base: int, on_done: Callable[[Chunk], None]) -> None:
         free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(self.nbuffers):
             free.put(i)
-        inflight: queue.SimpleQueue[tuple[int | None, Chunk, BaseException | None]] = \
-            queue.SimpleQueue()
+        inflight: queue.SimpleQueue = queue.SimpleQueue()
         stop = threading.Event()
 
-        def job(chunk: Chunk) -> None:
+        def copy(chunk: Chunk) -> None:
             buf = None
             try:
                 if chunk.nbytes > self.buffer_size:
@@ -108,16 +125,33 @@ class BouncePipeline:
                 with self._issue:
                     self.backend.transfer(buf, chunk)
                     inflight.put((buf, chunk, None))
-            except BaseException as exc:  # every job reports, or the caller hangs
+            except BaseException as exc:  # every claimed chunk reports, or the caller hangs
                 if buf is not None:
                     free.put(buf)
                 inflight.put((None, chunk, exc))
 
-        for chunk in chunks:
-            self._pool.submit(job, chunk)
+        def worker() -> None:
+            try:
+                while not stop.is_set():
+                    chunk = take()
+                    if chunk is None:
+                        break
+                    copy(chunk)
+            except BaseException as exc:  # take() itself failed
+                inflight.put((None, None, exc))
+            finally:
+                inflight.put(_END)
+
+        for _ in range(self.threads):
+            self._pool.submit(worker)
         error: BaseException | None = None
-        for _ in chunks:
-            buf, chunk, exc = inflight.get()
+        ended = 0
+        while ended < self.threads:
+            item = inflight.get()
+            if item is _END:
+                ended += 1
+                continue
+            buf, chunk, exc = item
             if buf is not None:
                 self.backend.wait(buf)
                 free.put(buf)
