@@ -323,9 +323,11 @@ def expand(names: list[str], volumes: list[str]) -> list[tuple[str, str, str | N
         else:
             seen: set[str] = set()
             for vol in volumes:
-                label = f"{name}@{os.path.basename(os.path.normpath(vol))}"
-                while label in seen:
-                    label += "'"
+                label = base = f"{name}@{os.path.basename(os.path.normpath(vol))}"
+                n = 1
+                while label in seen:  # two volumes of one basename
+                    n += 1
+                    label = f"{base}-{n}"
                 seen.add(label)
                 out.append((label, name, vol))
     return out

@@ -23,6 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the CSI driver (Identity, Controller, Node)")
     config.add_serve_flags(serve)
+    from csi_pmem.gpucopy import main as gpu_copy
+
+    gpu_copy.add_flags(sub.add_parser(
+        "gpu-copy", help="run the node's GPU copy service (weights from published volumes "
+                         "to pods' GPU memory)"))
 
     vol = sub.add_parser("volume", help="create, list, publish ... volumes over the CSI socket")
     vol.add_argument("--endpoint", default=os.environ.get(config.env_name("endpoint"),
@@ -85,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = config.from_args(args)
             logs.setup(cfg.log_format, cfg.log_level)
             return server.serve(cfg)
+        if args.command == "gpu-copy":
+            from csi_pmem.gpucopy import main as gpu_copy
+
+            return gpu_copy.run(args)
         from csi_pmem import client
         from csi_pmem.daxclient import DaxSocketError
 

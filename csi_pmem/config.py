@@ -33,6 +33,7 @@ DEFAULTS = {
     "grpc_workers": "0",
     "ndctl": "ndctl",
     "device_poll_seconds": "30",
+    "gpu_copy_socket": "",
 }
 HELP = {
     "endpoint": "gRPC endpoint: unix:///path/csi.sock or tcp://127.0.0.1:PORT",
@@ -52,6 +53,8 @@ HELP = {
     "grpc_workers": "gRPC worker threads (0: sized for the node)",
     "ndctl": "path of the ndctl binary",
     "device_poll_seconds": "interval of the device re-scan when udev events are unavailable",
+    "gpu_copy_socket": "control socket of this node's GPU copy service (csi-pmem gpu-copy); "
+                       "devdax publications then also serve gpu.sock (empty: off)",
 }
 CHOICES = {"backend": ("ndctl", "emulated"), "log_format": ("text", "json"),
            "emulated_device": ("file", "loop"),
@@ -76,6 +79,7 @@ class ServeConfig:
     grpc_workers: int
     ndctl: str
     device_poll_seconds: float
+    gpu_copy_socket: str = ""
 
 
 def env_name(key: str) -> str:

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 Opener = Callable[[], int]
 EventHook = Callable[[str, str], None]
+# Instead of sending the fd: hand the authenticated connection and the fd elsewhere
+# (gpu.sock -> the GPU copy service). Runs in a thread of its own; raising tells the
+# client why, as an error line.
+Forward = Callable[[socket.socket, int], None]
 
 # struct ucred from <sys/socket.h>: pid_t, uid_t, gid_t.
 _UCRED = struct.Struct("iII")
@@ -60,6 +64,7 @@ class _Endpoint:
     line: bytes
     opener: Opener
     pod_uid: str | None
+    forward: Forward | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class _Job:
     line: bytes
     opener: Opener
     pod_uid: str | None
+    forward: Forward | None = None
 
 
 def pod_uid_in_cgroups(cgroup_text: str, pod_uid: str) -> bool:
@@ -127,7 +133,8 @@ class DaxSocketServer:
     # -- public API -----------------------------------------------------------------
 
     def serve(self, path: str, metadata: dict[str, Any], opener: Opener, *,
-              pod_uid: str | None, mode: int = 0o666, gid: int | None = None) -> None:
+              pod_uid: str | None, mode: int = 0o666, gid: int | None = None,
+              forward: Forward | None = None) -> None:
         """Listen on ``path`` and answer each authorised peer with metadata and a new fd.
 
         Idempotent: serving a path that is already served replaces metadata, opener and
@@ -135,7 +142,9 @@ class DaxSocketServer:
         process is replaced; any other file at ``path`` is an error. With ``gid`` the
         socket is group-owned by it and loses its "other" permission bits (0666 -> 0660).
         ``opener()`` must return a fresh fd on every call; the server closes it after
-        sending.
+        sending. With ``forward``, an authorised connection and a fresh fd go to
+        ``forward(conn, fd)`` in a thread of its own instead (the server closes both
+        afterwards).
         """
         if pod_uid is not None and (not pod_uid or "/" in pod_uid):
             raise ValueError(f"invalid pod UID {pod_uid!r}")
@@ -153,6 +162,7 @@ class DaxSocketServer:
             endpoint = self._endpoints.get(path)
             if endpoint is not None and _inode(path) == endpoint.inode:
                 endpoint.line, endpoint.opener, endpoint.pod_uid = line, opener, pod_uid
+                endpoint.forward = forward
                 _set_permissions(path, mode, gid)
                 log.debug("dax socket %s: metadata updated", path)
                 return
@@ -162,7 +172,7 @@ class DaxSocketServer:
                 log.warning("dax socket %s was replaced on disk; listening again", path)
                 self._drop(endpoint)
             sock, inode = _listen(path, mode, gid)
-            endpoint = _Endpoint(path, sock, inode, line, opener, pod_uid)
+            endpoint = _Endpoint(path, sock, inode, line, opener, pod_uid, forward)
             self._selector.register(sock, selectors.EVENT_READ, endpoint)
             self._endpoints[path] = endpoint
         self._wake()
@@ -249,7 +259,8 @@ class DaxSocketServer:
             # stop() may have raced with select(); its socket may even be closed.
             if self._endpoints.get(endpoint.path) is not endpoint:
                 return
-            job = _Job(endpoint.path, endpoint.line, endpoint.opener, endpoint.pod_uid)
+            job = _Job(endpoint.path, endpoint.line, endpoint.opener, endpoint.pod_uid,
+                       endpoint.forward)
             for _ in range(_ACCEPT_BATCH):
                 try:
                     conn, _ = endpoint.sock.accept()
@@ -265,6 +276,7 @@ class DaxSocketServer:
             self._handle(conn, job)
 
     def _handle(self, conn: socket.socket, job: _Job) -> None:
+        forwarded = False
         try:
             conn.settimeout(self.send_timeout)
             pid, uid, gid = _UCRED.unpack(
@@ -288,6 +300,11 @@ class DaxSocketServer:
                                        f"{exc}; see the csi-pmem node plugin log")
                 self._count(EVENT_ERROR, job.path)
                 return
+            if job.forward is not None:
+                threading.Thread(target=self._forward, args=(conn, fd, job),
+                                 name="forward", daemon=True).start()
+                forwarded = True
+                return
             try:
                 sent = socket.send_fds(conn, [job.line], [fd])
                 if sent < len(job.line):
@@ -301,6 +318,21 @@ class DaxSocketServer:
             log.warning("dax socket %s: serving a client failed: %s", job.path, exc)
             self._count(EVENT_ERROR, job.path)
         finally:
+            if not forwarded:
+                conn.close()
+
+    def _forward(self, conn: socket.socket, fd: int, job: _Job) -> None:
+        assert job.forward is not None
+        try:
+            job.forward(conn, fd)
+            self._count(EVENT_SERVED, job.path)
+        except Exception as exc:
+            log.warning("dax socket %s: handing the client over failed: %s", job.path, exc)
+            with contextlib.suppress(OSError):
+                self._send_error(conn, str(exc))
+            self._count(EVENT_ERROR, job.path)
+        finally:
+            os.close(fd)
             conn.close()
 
     def _authorize(self, conn: socket.socket, pid: int,

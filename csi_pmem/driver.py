@@ -44,6 +44,7 @@ from csi_pmem.errors import (
 )
 from csi_pmem.filesystems import Usage
 from csi_pmem.fsdax_node import Access, FsdaxNode
+from csi_pmem.gpucopy.link import ServiceLink
 from csi_pmem.locks import InFlight
 from csi_pmem.params import FSDAX, VolumeParams
 from csi_pmem.sizes import allocation_for, allocation_step, devdax_usable, format_bytes, round_down
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 VOLUME_ID_PREFIX = "pmem-"
 METADATA_FILE = "volume.json"
 SOCKET_FILE = "dax.sock"
+GPU_SOCKET_FILE = "gpu.sock"
 MAX_NAME_BYTES = 128
 # How long an unmount or a read-only remount may keep failing with EBUSY (_while_busy).
 UMOUNT_BUSY_SECONDS = 5.0
@@ -118,11 +120,15 @@ class Driver:
     """Owns the back end, the state store, the dax socket server and the locks."""
 
     def __init__(self, config: DriverConfig, backend: Backend, store: StateStore,
-                 dax: DaxSocketServer, on_erase: Callable[[int, float], None] | None = None):
+                 dax: DaxSocketServer, on_erase: Callable[[int, float], None] | None = None,
+                 gpu_copy: ServiceLink | None = None):
         self.config = config
         self.backend = backend
         self.store = store
         self.dax = dax
+        # The node's GPU copy service (csi_pmem.gpucopy), or None: devdax publications
+        # then also serve gpu.sock, forwarded to it after the dax.sock checks.
+        self.gpu_copy = gpu_copy
         self.inflight = InFlight()
         self.node_lock = threading.Lock()
         self.on_erase = on_erase or (lambda nbytes, seconds: None)
@@ -291,6 +297,8 @@ class Driver:
                     f"at {', '.join(where)}; unpublish and unstage it (delete the pods using "
                     "it) first")
             self._check_not_in_use(rec)
+            if self.gpu_copy is not None and rec.device_mode != FSDAX:
+                self.gpu_copy.release(vid)  # its pins would keep the namespace busy
             rec.state = DELETING
             self.store.put(rec)
             failpoints.hit(failpoints.DELETE_AFTER_RECORD)
@@ -511,10 +519,16 @@ class Driver:
         if sealed:
             mounts.remount(pub.target, readonly=False)
         mode, gid = (0o660, pub.mount_group) if pub.mount_group is not None else (0o666, None)
+        meta = self._metadata(rec, pub)
         try:
-            self.dax.serve(sock, self._metadata(rec, pub),
-                           lambda: self.backend.open_device(ns, readonly),
+            self.dax.serve(sock, meta, lambda: self.backend.open_device(ns, readonly),
                            pod_uid=pub.pod_uid, mode=mode, gid=gid)
+            if self.gpu_copy is not None:
+                link = self.gpu_copy
+                self.dax.serve(os.path.join(pub.target, GPU_SOCKET_FILE), meta,
+                               lambda: self.backend.open_device(ns, True),
+                               pod_uid=pub.pod_uid, mode=mode, gid=gid,
+                               forward=lambda conn, fd: link.forward(meta, conn, fd))
         except FileExistsError as exc:
             raise FailedPrecondition(
                 f"{sock} exists and is not a socket; refusing to replace it") from exc
@@ -522,6 +536,23 @@ class Driver:
             raise InvalidArgument(f"cannot serve {sock}: {exc}") from exc
         if sealed:
             self._seal(pub.target)
+        if self.gpu_copy is not None:
+            self._prepare_gpu_copy(rec, ns, meta)
+
+    def _prepare_gpu_copy(self, rec: VolumeRecord, ns: Namespace, meta: dict) -> None:
+        """Have the copy service map and register the volume now, at publish, so that
+        the pod's first load only copies (best effort: it logs when it cannot)."""
+        try:
+            fd = self.backend.open_device(ns, True)
+        except OSError as exc:
+            log.warning("volume %s: cannot open its device for the GPU copy service: %s",
+                        rec.id, exc)
+            return
+        try:
+            assert self.gpu_copy is not None
+            self.gpu_copy.prepare(meta, fd)
+        finally:
+            os.close(fd)
 
     def _stop_and_umount(self, vid: str, target: str) -> None:
         current = mounts.find(target)
@@ -529,6 +560,7 @@ class Driver:
         if ours and current.readonly:
             mounts.remount(target, readonly=False)  # so the socket file can be removed
         self.dax.stop(os.path.join(target, SOCKET_FILE))
+        self.dax.stop(os.path.join(target, GPU_SOCKET_FILE))
         if ours:
             self._umount(target)
 
@@ -584,6 +616,8 @@ class Driver:
             log.warning("left target %s in place: %s", target, exc.strerror)
         rec.publications.pop(target, None)
         self.store.put(rec)
+        if self.gpu_copy is not None and not rec.publications:
+            self.gpu_copy.release(rec.id)  # the last pod using it on this node went away
         log.info("unpublished %s from %s", rec.id, target)
 
     def usage(self, vid: str, path: str) -> tuple[VolumeRecord, Usage | None]:

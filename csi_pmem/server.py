@@ -21,6 +21,7 @@ from csi_pmem.config import ServeConfig, grpc_address
 from csi_pmem.csi import csi_pb2_grpc
 from csi_pmem.daxsock import DaxSocketServer
 from csi_pmem.driver import Driver, DriverConfig
+from csi_pmem.gpucopy.link import ServiceLink
 from csi_pmem.metrics import Metrics
 from csi_pmem.servicers import rpc as rpc_module
 from csi_pmem.servicers.controller import ControllerServicer
@@ -60,7 +61,8 @@ class Server:
             DriverConfig(driver_name=cfg.driver_name, node_id=cfg.node_id,
                          kubelet_dir=cfg.kubelet_dir, erase_threads=cfg.erase_threads or None),
             self.backend, StateStore(cfg.state_dir), self.dax,
-            on_erase=self.metrics.observe_erase)
+            on_erase=self.metrics.observe_erase,
+            gpu_copy=ServiceLink(cfg.gpu_copy_socket) if cfg.gpu_copy_socket else None)
         self.metrics.watch_pools(self.backend, lambda: self.driver.orphans)
         rpc_module.observers.append(self.metrics.observe_rpc)
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=worker_count(cfg),

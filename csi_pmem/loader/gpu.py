@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import logging
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -38,6 +39,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from csi_pmem.gpucopy import protocol
+from csi_pmem.loader import nodecopy
 from csi_pmem.loader import plan as planning
 from csi_pmem.loader.cpu import torch_dtype
 from csi_pmem.loader.model import ModelView
@@ -59,6 +62,7 @@ log = logging.getLogger(__name__)
 BOUNCE = "bounce"
 REGISTERED = "registered"
 HYBRID = "hybrid"
+NODE = "node"  # the node's GPU copy service did the copies (csi_pmem.gpucopy)
 AUTO = "auto"
 
 TensorDone = Callable[[str, Any], None]
@@ -178,6 +182,10 @@ class FileTarget:
     buffer: Any = None
     tensors: dict[str, Any] = field(default_factory=dict)
     unaligned: dict[str, planning.Placement] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+    # Buffer offset of the file's first tensor byte (kept when a partial target is
+    # made from this one: its own placements may start later).
+    first_dst: int = 0
 
     def attach(self, buffer: Any) -> None:
         """Take ``buffer`` (this file's slice of the load's allocation); make the views."""
@@ -204,6 +212,7 @@ class FileTarget:
 
     def finish(self, name: str) -> Any:
         """The finished tensor (copying an unaligned one into a tensor of its own)."""
+        self.finished.add(name)
         p = self.unaligned.pop(name, None)
         if p is not None:
             torch = _torch()
@@ -242,6 +251,21 @@ def choose_path(mode: str, volume: Volume, loads: int, registered: bool,
     # auto, a mapping not (yet) worth registering whole: register what the copy engine
     # can use while bounce buffers move the rest; None means never register.
     return (BOUNCE if auto_register_after is None else HYBRID), None
+
+
+def _unfinished(targets: list[FileTarget]) -> list[FileTarget]:
+    """What is left of a load after a node-side copy stopped: the targets, sharing
+    their buffers, with only the placements whose tensors did not finish."""
+    out = []
+    for t in targets:
+        if t.buffer is None:
+            out.append(t)
+            continue
+        left = [p for p in t.placements if p.name not in t.finished]
+        if left:
+            out.append(FileTarget(t.name, t.infos, left, t.size, t.buffer, t.tensors,
+                                  t.unaligned, t.finished, t.first_dst))
+    return out
 
 
 def load_bytes(sizes: Iterable[int]) -> int:
@@ -320,7 +344,7 @@ class GpuLoader:
 
     def __init__(self, device: str | Any = "cuda", *, buffers: int = 24,
                  buffer_size: int = 16 * MiB, threads: int = 12, mode: str = AUTO,
-                 auto_register_after: int | None = 2):
+                 auto_register_after: int | None = 2, node_copy: bool = True):
         torch = _torch()
         if mode not in (AUTO, BOUNCE, REGISTERED):
             raise ValueError(f"mode must be {AUTO}, {BOUNCE} or {REGISTERED}")
@@ -332,6 +356,10 @@ class GpuLoader:
         self.nbuffers, self.buffer_size, self.threads = buffers, buffer_size, threads
         self.mode = mode
         self.auto_register_after = auto_register_after
+        # Use the node's GPU copy service when the volume offers one (gpu.sock).
+        self.node_copy = node_copy
+        self.node_copy_refused: str | None = None  # why the last load could not use it
+        self._node_warned: set[str] = set()
         self._backend: _TorchBackend | None = None
         self._pipelines: dict[int | None, BouncePipeline] = {}
         self._registrations: dict[int, Registration] = {}
@@ -492,7 +520,8 @@ class GpuLoader:
             for fname, tensors in selection.items():
                 placements, size = planning.place(tensors)
                 targets.append(FileTarget(fname, {t.name: t for t in tensors}, placements,
-                                          size))
+                                          size, first_dst=placements[0].dst if placements
+                                          else 0))
             left = {t.name: len(t.placements) for t in targets}
 
             def finish(target: FileTarget, name: str) -> None:
@@ -501,8 +530,15 @@ class GpuLoader:
                 if left[target.name] == 0:
                     on_file(target.name, dict(target.tensors))
                     if on_data is not None and target.placements:
-                        on_data(target.name, target.buffer, target.placements[0].dst)
+                        on_data(target.name, target.buffer, target.first_dst)
 
+            node = nodecopy.service_socket(view.volume) if self.node_copy else None
+            if node is not None:
+                remaining = self._load_node(view, targets, finish, node)
+                if remaining is None:
+                    self.last_path = NODE
+                    return NODE
+                targets = remaining
             path = self._choose(view)
             if path == HYBRID:
                 refused = self._load_hybrid(view, targets, finish)
@@ -549,6 +585,74 @@ class GpuLoader:
         finally:
             self._backend.targets = []
 
+    def _load_node(self, view: ModelView, targets: list[FileTarget],
+                   finish: Callable[[FileTarget, str], None],
+                   socket_path: str) -> list[FileTarget] | None:
+        """Have the node's copy service fill a fresh exportable allocation. Returns None
+        when it did, else the targets (buffers attached, finished tensors left out) that
+        still need copying in-pod; says why once per socket."""
+        torch = _torch()
+        try:
+            session = nodecopy.Session(socket_path)
+        except nodecopy.NodeCopyError as exc:
+            self._node_fallback(socket_path, exc)
+            return targets
+        try:
+            try:
+                alloc = nodecopy.ExportableAllocation(
+                    self.device.index, load_bytes(t.size for t in targets))
+            except Exception as exc:  # no cuda-python, an allocation error
+                raise nodecopy.NodeCopyError(
+                    f"cannot allocate exportable device memory ({exc}); install "
+                    "cuda-bindings in the pod to use the node's GPU copy service") from exc
+            whole = torch.as_tensor(alloc, device=self.device)  # keeps alloc alive
+            allocate(targets, self.device, whole)
+            if alloc.uuid not in session.gpus:
+                raise nodecopy.NodeCopyError(
+                    f"the node's GPU copy service cannot reach {alloc.uuid} (it sees "
+                    f"{', '.join(session.gpus) or 'no GPU'})")
+            chunks: list[planning.Chunk] = []
+            completions = []
+            for i, target in enumerate(targets):
+                file_chunks = planning.direct_chunks(target.placements, DIRECT_CHUNK, [], i,
+                                                     len(chunks))
+                completions.append(planning.Completion(target.placements, file_chunks))
+                chunks += file_chunks
+            for target, completion in zip(targets, completions, strict=True):
+                for name in completion.ready:
+                    finish(target, name)
+            offsets = [t.buffer.data_ptr() - whole.data_ptr() for t in targets]
+            request = protocol.CopyRequest(alloc.uuid, alloc.size, tuple(
+                protocol.Copy(c.pieces[0].src, offsets[c.target] + c.dst, c.nbytes)
+                for c in chunks))
+            reported = [0]
+
+            def progress(k: int) -> None:
+                for c in chunks[reported[0]:k]:
+                    for name in completions[c.target].done(c):
+                        finish(targets[c.target], name)
+                reported[0] = k
+
+            fd = alloc.export_fd()
+            del alloc
+            try:
+                session.copy(fd, request, progress)
+            finally:
+                os.close(fd)
+        except nodecopy.NodeCopyError as exc:
+            self._node_fallback(socket_path, exc)
+            return _unfinished(targets)
+        finally:
+            session.close()
+        self.node_copy_refused = None
+        return None
+
+    def _node_fallback(self, socket_path: str, exc: nodecopy.NodeCopyError) -> None:
+        self.node_copy_refused = str(exc)
+        level = logging.INFO if socket_path in self._node_warned else logging.WARNING
+        self._node_warned.add(socket_path)
+        log.log(level, "%s; loading in-pod instead", exc)
+
     def _load_hybrid(self, view: ModelView, targets: list[FileTarget],
                      finish: Callable[[FileTarget, str], None]) -> RegistrationError | None:
         """Registration from the front, bounce buffers from the back (see
@@ -559,7 +663,8 @@ class GpuLoader:
         registration = self._registration(view)
         pieces = self._pieces(view, [t.name for t in targets])
         edges = sorted({e for p in pieces for e in p})
-        allocate(targets, self.device, self._take_arena())
+        if any(t.buffer is None for t in targets):  # else the node path attached them
+            allocate(targets, self.device, self._take_arena())
         chunks: list[planning.Chunk] = []
         completions = []
         for i, target in enumerate(targets):
@@ -656,7 +761,8 @@ class GpuLoader:
         registration = self._registration(view)
         pieces = self._pieces(view, [t.name for t in targets])
         edges = sorted({e for p in pieces for e in p})
-        allocate(targets, self.device, self._take_arena())
+        if any(t.buffer is None for t in targets):  # else the node path attached them
+            allocate(targets, self.device, self._take_arena())
         chunks: list[planning.Chunk] = []
         completions = []
         for i, target in enumerate(targets):

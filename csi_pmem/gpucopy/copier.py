@@ -1,0 +1,120 @@
+"""The copy engine behind the service, as an interface, and its fake for tests.
+
+Why an interface: CI has no GPU, and the service's protocol, authentication, bounds
+checks, timeouts and failure handling are most of its code. The fake keeps the same
+contract with real file descriptors: a pod's "allocation" is a memfd that both sides
+map, so a wrong fd, a short allocation or a copy past its end fail the same way, and
+bytes really move. :mod:`.cuda` is the implementation that drives the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+Progress = Callable[[int], None]
+HostCopy = tuple[int, int, int]  # (host address, offset in the target, bytes)
+
+
+class CopyError(Exception):
+    """A copy that cannot be done; ``str(e)`` is what the pod is told."""
+
+
+class Target(Protocol):
+    gpu: str
+    size: int
+
+    def close(self) -> None: ...
+
+
+class Copier(Protocol):
+    name: str
+
+    def gpus(self) -> list[str]:
+        """UUIDs of the GPUs this copier can write to."""
+
+    def register(self, address: int, length: int) -> None:
+        """Make host memory a DMA source (pinned); raises CopyError."""
+
+    def unregister(self, address: int) -> None: ...
+
+    def open_target(self, fd: int, size: int, gpu: str) -> Target:
+        """Import a pod's exported allocation and map ``size`` bytes of it; raises
+        CopyError when the fd is not one, the allocation is smaller than ``size`` or
+        lives on another GPU than ``gpu``. Does not take ownership of ``fd``."""
+
+    def copy(self, target: Target, copies: Sequence[HostCopy], progress: Progress) -> None:
+        """Queue every copy, call ``progress(k)`` as the first k have landed (in
+        order), return once all have; raises CopyError."""
+
+
+FAKE_GPU = "GPU-00000000-0000-0000-0000-00000000fa4e"
+
+
+class FakeTarget:
+    def __init__(self, fd: int, size: int, gpu: str):
+        self.gpu, self.size = gpu, size
+        self.mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mapping))
+
+    def close(self) -> None:
+        self.address = 0
+        try:
+            self.mapping.close()
+        except BufferError:  # pragma: no cover - nothing exports it
+            pass
+
+
+class FakeCopier:
+    """memcpy into a memfd "allocation"; ``delay`` seconds per copy (for timeout and
+    kill-mid-copy tests)."""
+
+    name = "fake"
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
+        self.registered: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def gpus(self) -> list[str]:
+        return [FAKE_GPU]
+
+    def register(self, address: int, length: int) -> None:
+        with self._lock:
+            if address in self.registered:
+                raise CopyError(f"host memory at {address:#x} is already registered")
+            self.registered[address] = length
+
+    def unregister(self, address: int) -> None:
+        with self._lock:
+            self.registered.pop(address, None)
+
+    def open_target(self, fd: int, size: int, gpu: str) -> FakeTarget:
+        if gpu not in self.gpus():
+            raise CopyError(f"this node's copy service cannot reach GPU {gpu}")
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            raise CopyError(f"the allocation fd is not usable: {exc.strerror}") from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise CopyError("the fd sent is not an exported GPU allocation")
+        if st.st_size < size:
+            raise CopyError(f"the allocation is {st.st_size} bytes, smaller than the "
+                            f"{size} bytes the request names")
+        return FakeTarget(fd, size, gpu)
+
+    def copy(self, target: FakeTarget, copies: Sequence[HostCopy], progress: Progress) -> None:
+        for i, (src, dst, n) in enumerate(copies):
+            if dst + n > target.size:
+                raise CopyError(f"copy #{i} ends past the allocation")
+            if self.delay:
+                time.sleep(self.delay)
+            ctypes.memmove(target.address + dst, src, n)
+            progress(i + 1)

@@ -1,0 +1,185 @@
+"""The copy engine on real GPUs, through cuda-python's driver bindings (no torch).
+
+Why the driver API: the node plugin's image carries no torch, and what the service
+does is four driver calls: register host memory (``cuMemHostRegister``, read-only and
+portable, so one registration serves every GPU), import a pod's allocation from its
+POSIX fd (``cuMemImportFromShareableHandle``), map it into this process
+(``cuMemAddressReserve`` + ``cuMemMap`` + ``cuMemSetAccess``; mapping fails when the
+allocation is smaller than announced, which is the size check), and
+``cuMemcpyHtoDAsync`` on a stream of the allocation's own GPU, with an event after each
+copy so progress is reported in order as the copy engine finishes.
+
+The GPU a copy goes to is the one the allocation lives on
+(``cuMemGetAllocationPropertiesFromHandle``), checked against the UUID the pod named:
+device ordinals differ between processes (CUDA_VISIBLE_DEVICES), UUIDs do not.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from csi_pmem.gpucopy.copier import CopyError, HostCopy, Progress
+
+log = logging.getLogger(__name__)
+
+
+def driver() -> Any:
+    from cuda.bindings import driver as cu
+
+    return cu
+
+
+def check(cu: Any, result: Any, what: str) -> Any:
+    """Unpack a cuda-python result tuple; raise CopyError naming the call and error."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        name = cu.cuGetErrorName(err)
+        text = name[1].decode() if int(name[0]) == 0 else f"CUresult {int(err)}"
+        raise CopyError(f"{what} failed: {text}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def uuid_text(raw: bytes) -> str:
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class CudaTarget:
+    def __init__(self, copier: CudaCopier, fd: int, size: int, gpu: str):
+        cu = copier.cu
+        self.gpu, self.size = gpu, size
+        self._cu = cu
+        self.handle = check(cu, cu.cuMemImportFromShareableHandle(
+            fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            "importing the allocation (cuMemImportFromShareableHandle)")
+        self.ptr = None
+        try:
+            prop = check(cu, cu.cuMemGetAllocationPropertiesFromHandle(self.handle),
+                         "reading the allocation's properties")
+            self.ordinal = int(prop.location.id)
+            actual = copier.uuid_of(self.ordinal)
+            if actual != gpu:
+                raise CopyError(f"the allocation lives on {actual}, not on {gpu} as the "
+                                "request says")
+            copier.make_current(self.ordinal)
+            gran = check(cu, cu.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                "reading the allocation granularity")
+            if size % int(gran):
+                raise CopyError(f"the allocation size {size} is not a multiple of the "
+                                f"GPU's granularity {int(gran)}")
+            self.ptr = check(cu, cu.cuMemAddressReserve(size, 0, 0, 0),
+                             "reserving address space")
+            try:
+                check(cu, cu.cuMemMap(self.ptr, size, 0, self.handle, 0),
+                      f"mapping {size} bytes of the allocation (is it that large?)")
+            except CopyError:
+                cu.cuMemAddressFree(self.ptr, size)
+                self.ptr = None
+                raise CopyError(f"the allocation is smaller than the {size} bytes the "
+                                "request names") from None
+            desc = cu.CUmemAccessDesc()
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = self.ordinal
+            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            check(cu, cu.cuMemSetAccess(self.ptr, size, [desc], 1), "granting access")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def address(self) -> int:
+        return int(self.ptr)
+
+    def close(self) -> None:
+        cu = self._cu
+        if self.ptr is not None:
+            cu.cuMemUnmap(self.ptr, self.size)
+            cu.cuMemAddressFree(self.ptr, self.size)
+            self.ptr = None
+        if self.handle is not None:
+            cu.cuMemRelease(self.handle)
+            self.handle = None
+
+
+class CudaCopier:
+    name = "cuda"
+
+    def __init__(self) -> None:
+        cu = self.cu = driver()
+        check(cu, cu.cuInit(0), "cuInit")
+        count = check(cu, cu.cuDeviceGetCount(), "counting GPUs")
+        self._devices = [check(cu, cu.cuDeviceGet(i), "cuDeviceGet") for i in range(count)]
+        self._uuids = [uuid_text(bytes(check(cu, cu.cuDeviceGetUuid(d), "cuDeviceGetUuid")
+                                       .bytes)) for d in self._devices]
+        self._contexts: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        # Registrations are portable: made once, under the first GPU's context.
+        if count:
+            self.make_current(0)
+        log.info("GPU copy service: %d GPU(s): %s", count, ", ".join(self._uuids))
+
+    def gpus(self) -> list[str]:
+        return list(self._uuids)
+
+    def uuid_of(self, ordinal: int) -> str:
+        if not 0 <= ordinal < len(self._uuids):
+            raise CopyError(f"the allocation is on a GPU (ordinal {ordinal}) this node's "
+                            "copy service cannot see")
+        return self._uuids[ordinal]
+
+    def make_current(self, ordinal: int) -> None:
+        cu = self.cu
+        with self._lock:
+            ctx = self._contexts.get(ordinal)
+            if ctx is None:
+                ctx = self._contexts[ordinal] = check(
+                    cu, cu.cuDevicePrimaryCtxRetain(self._devices[ordinal]),
+                    "retaining the GPU's primary context")
+        check(cu, cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def register(self, address: int, length: int) -> None:
+        cu = self.cu
+        self.make_current(0)
+        check(cu, cu.cuMemHostRegister(
+            address, length, cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_READ_ONLY),
+            f"registering {length} bytes of the volume (cuMemHostRegister)")
+
+    def unregister(self, address: int) -> None:
+        cu = self.cu
+        self.make_current(0)
+        cu.cuMemHostUnregister(address)
+
+    def open_target(self, fd: int, size: int, gpu: str) -> CudaTarget:
+        if gpu not in self._uuids:
+            raise CopyError(f"this node's copy service cannot reach GPU {gpu} (it sees "
+                            f"{', '.join(self._uuids) or 'none'})")
+        return CudaTarget(self, fd, size, gpu)
+
+    def copy(self, target: CudaTarget, copies: Sequence[HostCopy], progress: Progress) -> None:
+        cu = self.cu
+        self.make_current(target.ordinal)
+        stream = check(cu, cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING),
+                       "creating a stream")
+        events: list[Any] = []
+        try:
+            base = target.address
+            for src, dst, n in copies:
+                check(cu, cu.cuMemcpyHtoDAsync(base + dst, src, n, stream), "cuMemcpyHtoDAsync")
+                ev = check(cu, cu.cuEventCreate(
+                    cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "creating an event")
+                check(cu, cu.cuEventRecord(ev, stream), "recording an event")
+                events.append(ev)
+            for i, ev in enumerate(events):
+                check(cu, cu.cuEventSynchronize(ev), "waiting for a copy")
+                progress(i + 1)
+        finally:
+            cu.cuStreamSynchronize(stream)
+            for ev in events:
+                cu.cuEventDestroy(ev)
+            cu.cuStreamDestroy(stream)

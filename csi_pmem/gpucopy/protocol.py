@@ -1,0 +1,185 @@
+"""Messages of the GPU copy service: JSON lines, with fds attached (SCM_RIGHTS).
+
+Why JSON lines over unix sockets, as ``dax.sock``: both ends are ours, the messages are
+small and rare (a load is one request), and fd passing needs a unix socket anyway.
+Standard library only: the loader in the pod imports this module.
+
+Two conversations:
+
+- Node plugin -> service, on the service's control socket (one message, one reply):
+  ``prepare`` (volume metadata + the volume's fd: map it, register its staged models),
+  ``release`` (unregister and unmap, before the namespace may go away), ``client``
+  (metadata + the volume's fd + an authenticated client connection to serve).
+- Service <-> pod, on that client connection: the service speaks first (``hello``: the
+  GPUs it can copy to); the pod sends one ``copy`` request with its allocation's fd;
+  the service answers ``{"done": k}`` lines as the first k copies have landed, then
+  ``{"ok": true, ...}`` or ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+PROTOCOL = 1
+SERVICE = "csi-pmem-gpu-copy"
+SOCKET_NAME = "gpu.sock"  # next to dax.sock in a published devdax volume
+MAX_LINE = 8 << 20  # a copy list of 100k entries fits
+MAX_FDS = 4
+
+OP_PREPARE = "prepare"
+OP_RELEASE = "release"
+OP_CLIENT = "client"
+OP_COPY = "copy"
+
+
+class ProtocolError(Exception):
+    """A malformed or refused message; ``str(e)`` is what the peer is told."""
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy ``nbytes`` from volume offset ``src`` to allocation offset ``dst``."""
+
+    src: int
+    dst: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CopyRequest:
+    gpu: str
+    size: int
+    copies: tuple[Copy, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.copies)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": OP_COPY, "gpu": self.gpu, "size": self.size,
+                "copies": [[c.src, c.dst, c.nbytes] for c in self.copies]}
+
+
+def _uint(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_copy_request(doc: Any, volume_size: int) -> CopyRequest:
+    """Check a pod's request against the volume and its own allocation size.
+
+    The service reads only ``[0, volume_size)`` of the volume whose socket the pod
+    connected to, and writes only ``[0, size)`` of the memory the pod handed over;
+    the size itself is checked when the allocation is mapped (a short one fails).
+    """
+    if not isinstance(doc, dict) or doc.get("op") != OP_COPY:
+        raise ProtocolError("expected a copy request")
+    gpu, size, copies = doc.get("gpu"), doc.get("size"), doc.get("copies")
+    if not isinstance(gpu, str) or not gpu:
+        raise ProtocolError("the copy request names no GPU (its UUID, GPU-...)")
+    if not _uint(size) or size == 0:
+        raise ProtocolError(f"the copy request has an invalid allocation size {size!r}")
+    if not isinstance(copies, list):
+        raise ProtocolError("the copy request has no copy list")
+    out = []
+    for i, entry in enumerate(copies):
+        if not (isinstance(entry, list) and len(entry) == 3 and all(map(_uint, entry))):
+            raise ProtocolError(f"copy #{i} is not [src, dst, nbytes] of non-negative integers")
+        src, dst, n = entry
+        if src + n > volume_size:
+            raise ProtocolError(f"copy #{i} reads [{src}, {src + n}), outside the volume of "
+                                f"{volume_size} bytes")
+        if dst + n > size:
+            raise ProtocolError(f"copy #{i} writes [{dst}, {dst + n}), outside the "
+                                f"allocation of {size} bytes")
+        out.append(Copy(src, dst, n))
+    return CopyRequest(gpu, size, tuple(out))
+
+
+def encode(doc: dict[str, Any]) -> bytes:
+    line = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+    if len(line) > MAX_LINE:
+        raise ProtocolError(f"message of {len(line)} bytes exceeds {MAX_LINE}")
+    return line
+
+
+def send(sock: socket.socket, doc: dict[str, Any], fds: Iterable[int] = ()) -> None:
+    line = encode(doc)
+    fds = list(fds)
+    sent = socket.send_fds(sock, [line], fds) if fds else sock.send(line)
+    if sent < len(line):
+        sock.sendall(line[sent:])
+
+
+class Reader:
+    """Reads JSON lines (and the fds that came with them) from one socket."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._buf = b""
+        self.fds: list[int] = []
+
+    def read(self) -> dict[str, Any] | None:
+        """The next message, or None at end of stream. Raises ProtocolError for a
+        malformed one, TimeoutError / OSError as the socket does."""
+        while b"\n" not in self._buf:
+            data, fds = self._recv()
+            self.fds += fds
+            if len(self.fds) > MAX_FDS:
+                raise ProtocolError("too many file descriptors")
+            if not data:
+                if self._buf:
+                    raise ProtocolError("the peer closed the connection mid-message")
+                return None
+            self._buf += data
+            if len(self._buf) > MAX_LINE:
+                raise ProtocolError("message too long")
+        line, _, self._buf = self._buf.partition(b"\n")
+        try:
+            doc = json.loads(line)
+        except ValueError as exc:
+            raise ProtocolError(f"not a JSON message: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise ProtocolError("a message must be a JSON object")
+        return doc
+
+    def _recv(self) -> tuple[bytes, list[int]]:
+        size = array.array("i").itemsize
+        data, ancdata, _, _ = self.sock.recvmsg(
+            1 << 20, socket.CMSG_SPACE(MAX_FDS * size), socket.MSG_CMSG_CLOEXEC)
+        fds = array.array("i")
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[:len(payload) - len(payload) % size])
+        return data, list(fds)
+
+    def take_fds(self) -> list[int]:
+        fds, self.fds = self.fds, []
+        return fds
+
+    def close_fds(self) -> None:
+        for fd in self.take_fds():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def volume_meta(doc: dict[str, Any]) -> dict[str, Any]:
+    """The volume fields of a node plugin message, checked."""
+    vid, size = doc.get("volume_id"), doc.get("usable_size")
+    if not isinstance(vid, str) or not vid or "/" in vid:
+        raise ProtocolError(f"invalid volume_id {vid!r}")
+    if not _uint(size) or size == 0:
+        raise ProtocolError(f"invalid usable_size {size!r}")
+    align = doc.get("align") or 2 << 20
+    if not _uint(align) or align & (align - 1):
+        raise ProtocolError(f"invalid align {align!r}")
+    node = doc.get("numa_node")
+    return {"volume_id": vid, "usable_size": size, "align": align,
+            "numa_node": node if _uint(node) else None,
+            "device": str(doc.get("device") or "")}

@@ -1,0 +1,343 @@
+"""The GPU copy service process: keeps published volumes registered, serves copy requests.
+
+Why its own process (a container of the node plugin's pod): a CUDA fault, a driver
+hang or an out-of-memory in the copy path must not take down the CSI driver, which
+owns every volume on the node; the service can crash and restart while publishing,
+fd hand-out and provisioning go on, and a pod that finds it gone loads in-pod. It also
+keeps CUDA and cuda-python out of the driver process.
+
+Trust: only the node plugin talks to the control socket (mode 0600, root). The node
+plugin authenticates every pod that connects to a volume's ``gpu.sock`` exactly as for
+``dax.sock`` (peer credentials and the pod's cgroup) and then hands the connection over
+with the volume's fd. So this process never decides who may read a volume: it reads
+only the volume whose fd came with the connection, mapped read-only, and writes only
+into the memory the pod exported, within the size it announced (checked when mapped).
+
+Registrations follow the index: every committed safetensors file of a prepared volume
+is registered once, when the volume is prepared (publish) and again whenever the
+index generation changes (a model staged in the pod: polled every few seconds and
+checked before each request). Ranges that left the index are unregistered once no copy
+is running; a ``release`` (last unpublish, DeleteVolume) waits for running copies,
+unregisters and unmaps, so the namespace can be destroyed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import stat
+import threading
+import time
+from typing import Any
+
+from csi_pmem.gpucopy import protocol
+from csi_pmem.gpucopy.copier import Copier, CopyError, HostCopy
+from csi_pmem.loader.errors import LoaderError
+from csi_pmem.loader.layout import read_index, round_up
+from csi_pmem.loader.volume import Volume, buffer_address
+
+log = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL = 0.005  # at most one "done" line per 5 ms (and always the last)
+
+
+def _device_key(fd: int) -> tuple[int, int, int]:
+    st = os.fstat(fd)
+    return (st.st_rdev, 0, 0) if stat.S_ISCHR(st.st_mode) else (0, st.st_dev, st.st_ino)
+
+
+class VolumeState:
+    """One prepared volume: its read-only mapping and the ranges registered."""
+
+    def __init__(self, meta: dict[str, Any], fd: int, copier: Copier):
+        self.meta, self.copier = meta, copier
+        self.id = meta["volume_id"]
+        self.size = meta["usable_size"]
+        self.key = _device_key(fd)
+        self.mapping = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self.address = buffer_address(self.mapping)
+        self.volume = Volume(self.mapping, size=self.size, align=meta["align"],
+                             numa_node=meta["numa_node"], writable=False,
+                             source=f"volume {self.id}")
+        self.registered: dict[int, int] = {}
+        self.generation: int | None = None
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._active = 0
+        self._closed = False
+        self._stale: list[int] = []
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(self.registered.values())
+
+    def refresh(self) -> None:
+        """Register the committed models' files if the index changed since last time."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                index = read_index(self.volume)
+            except LoaderError as exc:  # a stage in progress, a torn read: next time
+                log.debug("volume %s: index not readable now: %s", self.id, exc)
+                return
+            generation = None if index is None else index.generation
+            if generation == self.generation:
+                return
+            wanted: dict[int, int] = {}
+            for model in [] if index is None else index.committed():
+                for f in model.safetensors:
+                    end = min(self.size, round_up(f.end, self.volume.align))
+                    wanted[f.offset] = end - f.offset
+            for off, n in list(self.registered.items()):
+                if wanted.get(off) != n:
+                    del self.registered[off]
+                    self._stale.append(off)
+            self._drop_stale()
+            started, added = time.monotonic(), 0
+            for off, n in sorted(wanted.items()):
+                if off in self.registered:
+                    continue
+                try:
+                    self.copier.register(self.address + off, n)
+                except CopyError as exc:
+                    log.warning("volume %s: %s; copies from it will be slower", self.id, exc)
+                    continue
+                self.registered[off] = n
+                added += n
+            self.generation = generation
+        if added:
+            log.info("volume %s: registered %.2f GB in %.3f s (index generation %s)",
+                     self.id, added / 1e9, time.monotonic() - started, generation)
+
+    def _drop_stale(self) -> None:
+        """Unregister ranges that left the index, once no copy reads them (lock held)."""
+        if self._active:
+            return
+        for off in self._stale:
+            self.copier.unregister(self.address + off)
+        self._stale.clear()
+
+    def host_copies(self, request: protocol.CopyRequest) -> list[HostCopy]:
+        return [(self.address + c.src, c.dst, c.nbytes) for c in request.copies]
+
+    @contextlib.contextmanager
+    def in_use(self):  # type: ignore[no-untyped-def]
+        with self._lock:
+            if self._closed:
+                raise CopyError(f"volume {self.id} is being released on this node")
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if not self._active:
+                    self._drop_stale()
+                    self._idle.notify_all()
+
+    def close(self, timeout: float = 60.0) -> None:
+        with self._lock:
+            self._closed = True
+            if not self._idle.wait_for(lambda: self._active == 0, timeout):
+                log.error("volume %s: %d copies still running after %.0f s; unmapping "
+                          "anyway", self.id, self._active, timeout)
+            for off in list(self.registered) + self._stale:
+                self.copier.unregister(self.address + off)
+            self.registered.clear()
+            self._stale.clear()
+        self.volume.close()
+
+
+class CopyService:
+    """Listens on the control socket; one thread per connection."""
+
+    def __init__(self, socket_path: str, copier: Copier, *, poll_seconds: float = 2.0,
+                 client_timeout: float = 30.0):
+        self.socket_path = socket_path
+        self.copier = copier
+        self.poll_seconds = poll_seconds
+        self.client_timeout = client_timeout
+        self.volumes: dict[str, VolumeState] = {}
+        self.served = self.failed = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(socket_path).st_mode):
+                os.unlink(socket_path)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(socket_path)
+        os.chmod(socket_path, 0o600)
+        self._sock.listen(64)
+        self._threads = [threading.Thread(target=self._accept, name="control", daemon=True),
+                         threading.Thread(target=self._poll, name="poll", daemon=True)]
+
+    def start(self) -> CopyService:
+        for t in self._threads:
+            t.start()
+        log.info("GPU copy service listening on %s (%s copier, GPUs %s)", self.socket_path,
+                 self.copier.name, ", ".join(self.copier.gpus()) or "none")
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        with self._lock:
+            states, self.volumes = list(self.volumes.values()), {}
+        for st in states:
+            st.close(timeout=10)
+
+    # -- control socket ---------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                if self._stop.is_set():
+                    return
+                log.exception("control socket: accept failed")
+                time.sleep(0.1)
+                continue
+            threading.Thread(target=self._control, args=(conn,), name="control-conn",
+                             daemon=True).start()
+
+    def _control(self, conn: socket.socket) -> None:
+        reader = protocol.Reader(conn)
+        client: socket.socket | None = None
+        state: VolumeState | None = None
+        try:
+            conn.settimeout(10)
+            doc = reader.read()
+            if doc is None:
+                return
+            fds = reader.take_fds()
+            try:
+                op = doc.get("op")
+                if op == protocol.OP_RELEASE:
+                    self.release(str(doc.get("volume_id")))
+                elif op in (protocol.OP_PREPARE, protocol.OP_CLIENT):
+                    meta = protocol.volume_meta(doc)
+                    need = 1 if op == protocol.OP_PREPARE else 2
+                    if len(fds) != need:
+                        raise protocol.ProtocolError(f"{op} needs {need} fd(s), got {len(fds)}")
+                    state = self._volume(meta, fds.pop(0))
+                    if op == protocol.OP_CLIENT:
+                        client = socket.socket(fileno=fds.pop(0))
+                else:
+                    raise protocol.ProtocolError(f"unknown operation {op!r}")
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            protocol.send(conn, {"ok": True})
+        except (protocol.ProtocolError, OSError, ValueError) as exc:
+            log.warning("control socket: %s", exc)
+            with contextlib.suppress(OSError, protocol.ProtocolError):
+                protocol.send(conn, {"error": str(exc)})
+            if client is not None:
+                client.close()
+            return
+        finally:
+            reader.close_fds()
+            conn.close()
+        if state is not None and client is None:
+            threading.Thread(target=state.refresh, name="register", daemon=True).start()
+        if state is not None and client is not None:
+            self._client(state, client)
+
+    def _volume(self, meta: dict[str, Any], fd: int) -> VolumeState:
+        """The prepared state of a volume, mapping ``fd`` if new (closes ``fd``)."""
+        try:
+            with self._lock:
+                st = self.volumes.get(meta["volume_id"])
+                if st is not None and st.key == _device_key(fd):
+                    return st
+                fresh = VolumeState(meta, fd, self.copier)
+                self.volumes[fresh.id] = fresh
+        finally:
+            os.close(fd)
+        if st is not None:  # the same volume id on another device: a new namespace
+            st.close()
+        return fresh
+
+    def release(self, volume_id: str) -> None:
+        with self._lock:
+            st = self.volumes.pop(volume_id, None)
+        if st is not None:
+            st.close()
+            log.info("volume %s released", volume_id)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            with self._lock:
+                states = list(self.volumes.values())
+            for st in states:
+                try:
+                    st.refresh()
+                except Exception:
+                    log.exception("volume %s: refresh failed", st.id)
+
+    # -- one pod ----------------------------------------------------------------------
+
+    def _client(self, state: VolumeState, sock: socket.socket) -> None:
+        reader = protocol.Reader(sock)
+        target = None
+        done = [0, 0.0]
+        try:
+            sock.settimeout(self.client_timeout)
+            protocol.send(sock, {"service": protocol.SERVICE, "protocol": protocol.PROTOCOL,
+                                 "volume_id": state.id, "gpus": self.copier.gpus(),
+                                 "registered_bytes": state.registered_bytes})
+            doc = reader.read()
+            if doc is None:
+                return
+            fds = reader.take_fds()
+            try:
+                if len(fds) != 1:
+                    raise protocol.ProtocolError(
+                        f"a copy request carries exactly one fd (the exported allocation), "
+                        f"not {len(fds)}")
+                request = protocol.parse_copy_request(doc, state.size)
+                state.refresh()
+                started = time.monotonic()
+                with state.in_use():
+                    target = self.copier.open_target(fds[0], request.size, request.gpu)
+
+                    def progress(k: int) -> None:
+                        now = time.monotonic()
+                        if k == len(request.copies) or now - done[1] >= PROGRESS_INTERVAL:
+                            protocol.send(sock, {"done": k})
+                            done[1] = now
+                        done[0] = k
+
+                    self.copier.copy(target, state.host_copies(request), progress)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            seconds = time.monotonic() - started
+            protocol.send(sock, {"ok": True, "bytes": request.nbytes, "seconds": seconds,
+                                 "registered_bytes": state.registered_bytes})
+            self.served += 1
+            log.info("volume %s: copied %.2f GB to %s in %.3f s (%.1f GB/s)", state.id,
+                     request.nbytes / 1e9, request.gpu, seconds,
+                     request.nbytes / 1e9 / max(seconds, 1e-9))
+        except (protocol.ProtocolError, CopyError) as exc:
+            self.failed += 1
+            log.warning("volume %s: copy refused: %s", state.id, exc)
+            with contextlib.suppress(OSError, protocol.ProtocolError):
+                protocol.send(sock, {"error": str(exc), "done": done[0]})
+        except OSError as exc:  # the pod went away or stalled
+            self.failed += 1
+            log.warning("volume %s: client connection failed: %s", state.id, exc)
+        finally:
+            if target is not None:
+                target.close()
+            reader.close_fds()
+            sock.close()

@@ -1,0 +1,213 @@
+"""The pod's half of the node's GPU copy service (:mod:`csi_pmem.gpucopy`).
+
+Why: in a freshly started pod, the node copies at link speed from a mapping it
+registered long before, while the pod would first have to pin (register) or bounce
+every byte itself. The pod allocates its device memory with the CUDA virtual memory
+API (``cuMemCreate`` with a POSIX fd handle type, through cuda-python), exports it as
+an fd, sends that fd and the copy list over the volume's ``gpu.sock``, and turns the
+service's progress lines into finished tensors. The tensors are ordinary torch tensors,
+views of that allocation, which is freed when the last of them is.
+
+Anything that goes wrong (no ``gpu.sock``, no cuda-python, the service refusing, timing
+out or dying mid-copy) raises :class:`NodeCopyError` with what was already done; the
+GPU loader then copies the rest in-pod and says so once. ``CSI_PMEM_GPU_COPY=off``
+turns the path off; ``CSI_PMEM_GPU_COPY=/path/gpu.sock`` names a socket explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from csi_pmem.daxclient import unix_address
+from csi_pmem.gpucopy import protocol
+from csi_pmem.loader.errors import LoaderError
+from csi_pmem.loader.volume import Volume
+
+log = logging.getLogger(__name__)
+
+ENV = "CSI_PMEM_GPU_COPY"
+
+
+class NodeCopyError(LoaderError):
+    """The node's copy service did not (fully) serve a load; ``done`` copies landed."""
+
+    def __init__(self, message: str, done: int = 0):
+        super().__init__(message)
+        self.done = done
+
+
+def service_socket(volume: Volume) -> str | None:
+    """The copy service socket for ``volume``, or None when there is none to try."""
+    env = os.environ.get(ENV, "")
+    if env == "off":
+        return None
+    if env and env != "auto":
+        return env
+    src = volume.source
+    if not os.path.isdir(src):
+        return None
+    path = os.path.join(src, protocol.SOCKET_NAME)
+    try:
+        return path if stat.S_ISSOCK(os.stat(path).st_mode) else None
+    except OSError:
+        return None
+
+
+class Session:
+    """One connection to the service: its hello, then one copy request."""
+
+    def __init__(self, path: str, timeout: float = 30.0):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(timeout)
+            with unix_address(path) as address:
+                self.sock.connect(address)
+            self.reader = protocol.Reader(self.sock)
+            hello = self._read()
+        except (OSError, protocol.ProtocolError) as exc:
+            self.close()
+            raise NodeCopyError(f"the GPU copy service at {path} is not reachable: "
+                                f"{exc}") from exc
+        except NodeCopyError:
+            self.close()
+            raise
+        if hello.get("service") != protocol.SERVICE:
+            self.close()
+            raise NodeCopyError(f"{path} is not a csi-pmem GPU copy service")
+        self.gpus: list[str] = list(hello.get("gpus") or [])
+        self.registered_bytes = int(hello.get("registered_bytes") or 0)
+
+    def _read(self, done: int = 0) -> dict[str, Any]:
+        doc = self.reader.read()
+        self.reader.close_fds()  # the service never sends fds
+        if doc is None:
+            raise NodeCopyError(f"the GPU copy service at {self.path} closed the connection",
+                                done)
+        if "error" in doc:
+            raise NodeCopyError(f"the GPU copy service refused: {doc['error']}", done)
+        return doc
+
+    def copy(self, fd: int, request: protocol.CopyRequest,
+             on_progress: Callable[[int], None]) -> dict[str, Any]:
+        """Send the request with the allocation's fd; ``on_progress(k)`` as the first k
+        copies land; returns the service's final report."""
+        done = 0
+        try:
+            protocol.send(self.sock, request.to_json(), [fd])
+            while True:
+                doc = self._read(done)
+                if doc.get("ok"):
+                    if done < len(request.copies):
+                        on_progress(len(request.copies))
+                    return doc
+                k = doc.get("done")
+                if isinstance(k, int) and done < k <= len(request.copies):
+                    done = k
+                    on_progress(k)
+        except (OSError, protocol.ProtocolError) as exc:
+            raise NodeCopyError(f"the GPU copy service connection failed: {exc}", done) \
+                from exc
+
+    def close(self) -> None:
+        with contextlib.suppress(AttributeError):
+            self.reader.close_fds()
+        self.sock.close()
+
+
+def request_copies(path: str, fd: int, gpu: str, size: int,
+                   copies: Sequence[protocol.Copy], on_progress: Callable[[int], None],
+                   timeout: float = 30.0) -> dict[str, Any]:
+    """Connect, check the service sees ``gpu``, copy, close."""
+    session = Session(path, timeout)
+    try:
+        if gpu not in session.gpus:
+            raise NodeCopyError(f"the node's GPU copy service cannot reach {gpu} (it "
+                                f"sees {', '.join(session.gpus) or 'no GPU'})")
+        return session.copy(fd, protocol.CopyRequest(gpu, size, tuple(copies)), on_progress)
+    finally:
+        session.close()
+
+
+class ExportableAllocation:
+    """Device memory a pod can hand to the service: ``cuMemCreate`` with a POSIX fd
+    handle type, mapped into this process; a torch tensor over it through the CUDA array
+    interface (which keeps this object alive until the tensor is gone)."""
+
+    def __init__(self, ordinal: int, nbytes: int):
+        from csi_pmem.gpucopy.cuda import check, driver, uuid_text
+
+        cu = self._cu = driver()
+        self._check = check
+        self.handle = self.ptr = self._dev = None
+        check(cu, cu.cuInit(0), "cuInit")
+        dev = check(cu, cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.uuid = uuid_text(bytes(check(cu, cu.cuDeviceGetUuid(dev), "cuDeviceGetUuid")
+                                    .bytes))
+        # torch works in the primary context, so the allocation lives there too.
+        ctx = check(cu, cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        self._dev = dev
+        check(cu, cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = ordinal
+        prop.requestedHandleTypes = \
+            cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        gran = int(check(cu, cu.cuMemGetAllocationGranularity(
+            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+            "cuMemGetAllocationGranularity"))
+        self.size = -(-max(nbytes, 1) // gran) * gran
+        try:
+            self.handle = check(cu, cu.cuMemCreate(self.size, prop, 0),
+                                f"allocating {self.size} bytes of device memory (cuMemCreate)")
+            self.ptr = check(cu, cu.cuMemAddressReserve(self.size, gran, 0, 0),
+                             "cuMemAddressReserve")
+            check(cu, cu.cuMemMap(self.ptr, self.size, 0, self.handle, 0), "cuMemMap")
+            desc = cu.CUmemAccessDesc()
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = ordinal
+            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            check(cu, cu.cuMemSetAccess(self.ptr, self.size, [desc], 1), "cuMemSetAccess")
+        except BaseException:
+            self.free()
+            raise
+
+    @property
+    def address(self) -> int:
+        return int(self.ptr)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self.address, False),
+                "version": 3, "strides": None}
+
+    def export_fd(self) -> int:
+        cu = self._cu
+        fd = self._check(cu, cu.cuMemExportToShareableHandle(
+            self.handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0), "cuMemExportToShareableHandle")
+        return int(fd)
+
+    def free(self) -> None:
+        cu = self._cu
+        with contextlib.suppress(Exception):
+            if self.ptr is not None:
+                # Kernels still queued may read it; unmapping under them would fault.
+                cu.cuCtxSynchronize()
+                cu.cuMemUnmap(self.ptr, self.size)
+                cu.cuMemAddressFree(self.ptr, self.size)
+            if self.handle is not None:
+                cu.cuMemRelease(self.handle)
+            if self._dev is not None:
+                cu.cuDevicePrimaryCtxRelease(self._dev)
+        self.ptr = self.handle = self._dev = None
+
+    def __del__(self) -> None:
+        self.free()
