@@ -1,0 +1,366 @@
+"""The GPU copy service without a GPU: the fake copier behind the same interface as the
+CUDA one moves real bytes into memfd "allocations" passed over real unix sockets.
+
+Covered: the protocol end to end (dax.sock-style forwarding by the node plugin's socket
+server, the service, the pod's client), registration that follows the volume's index,
+bad fds, short allocations and out-of-bounds copies refused with nothing written,
+authentication by the pod's cgroup, a silent or absent service, a service killed
+mid-copy, and the driver serving gpu.sock next to dax.sock and releasing the volume.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from csi_pmem.daxsock import DaxSocketServer
+from csi_pmem.gpucopy import protocol
+from csi_pmem.gpucopy.copier import FAKE_GPU, FakeCopier
+from csi_pmem.gpucopy.link import ServiceLink, ServiceUnavailable
+from csi_pmem.gpucopy.service import CopyService
+from csi_pmem.loader import layout, open_model, open_volume, stage
+from csi_pmem.loader.nodecopy import NodeCopyError, request_copies, service_socket
+from csi_pmem.loader.plan import place, runs
+
+import loader_models as lm
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def work(tmp_path) -> Iterator[Path]:
+    with lm.shm_scratch(tmp_path, "csi-pmem-gpucopy-") as d:
+        yield d
+
+
+def staged(work: Path, name: str = "m") -> tuple[Path, dict]:
+    src = work / f"src-{name}"
+    ref = lm.sharded_model(src)
+    vol = lm.staged_volume(src, work / "vol", size=64 * MiB, name=name)
+    return vol, ref
+
+
+def meta(vol: Path, vid: str = "csi-0123") -> dict:
+    return {"volume_id": vid, "usable_size": os.path.getsize(vol), "align": 2 * MiB,
+            "numa_node": 0, "device": str(vol)}
+
+
+class Node:
+    """The node side as deployed: the socket server answering gpu.sock (as the driver
+    does) forwarding to a copy service on its control socket."""
+
+    def __init__(self, work: Path, vol: Path, copier: FakeCopier | None = None,
+                 pod_uid: str | None = None, proc_root: str = "/proc",
+                 control: str | None = None):
+        self.vol = vol
+        self.dir = work / "published"
+        self.dir.mkdir(exist_ok=True)
+        self.copier = copier or FakeCopier()
+        self.control = control or str(work / "gpu-copy.sock")
+        self.service = None if control else CopyService(
+            self.control, self.copier, poll_seconds=0.05, client_timeout=5).start()
+        self.link = ServiceLink(self.control, timeout=2)
+        self.dax = DaxSocketServer(proc_root=proc_root)
+        self.meta = meta(vol)
+        self.sock = str(self.dir / protocol.SOCKET_NAME)
+        self.dax.serve(self.sock, self.meta, lambda: os.open(vol, os.O_RDONLY | os.O_CLOEXEC),
+                       pod_uid=pod_uid,
+                       forward=lambda conn, fd: self.link.forward(self.meta, conn, fd))
+
+    def prepare(self) -> bool:
+        fd = os.open(self.vol, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return self.link.prepare(self.meta, fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.dax.close()
+        if self.service is not None:
+            self.service.stop()
+
+
+@pytest.fixture
+def node_factory(work):
+    made: list[Node] = []
+
+    def make(*a, **kw) -> Node:
+        n = Node(work, *a, **kw)
+        made.append(n)
+        return n
+
+    yield make
+    for n in made:
+        n.close()
+
+
+def allocation(size: int) -> tuple[int, mmap.mmap]:
+    fd = os.memfd_create("fake-gpu-allocation", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+
+
+def whole_model_copies(vol: Path) -> tuple[list[protocol.Copy], int, dict[str, tuple]]:
+    """Copies a loader would send for every tensor, and where each tensor lands."""
+    copies, where, base = [], {}, 0
+    with open_volume(vol) as v:
+        view = open_model(v)
+        for tensors in view.select().values():
+            placements, size = place(tensors)
+            for p in placements:
+                where[p.name] = (base + p.dst, p.nbytes, p.src)
+            copies += [protocol.Copy(s, base + d, n) for s, d, n in runs(placements)]
+            base += -(-size // 4096) * 4096
+    return copies, base, where
+
+
+def test_copies_land_bit_exact_with_progress(work, node_factory):
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    assert node.prepare()
+    copies, size, where = whole_model_copies(vol)
+    fd, out = allocation(size)
+    seen: list[int] = []
+    report = request_copies(node.sock, fd, FAKE_GPU, size, copies, seen.append)
+    assert report["ok"] and report["bytes"] == sum(c.nbytes for c in copies)
+    assert seen == sorted(seen) and seen[-1] == len(copies)
+    data = Path(vol).read_bytes()
+    for dst, n, src in where.values():
+        assert out[dst:dst + n] == data[src:src + n]
+    assert node.dax.served == 1 and node.service.served == 1
+
+
+def test_registration_follows_the_index(work, node_factory):
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    node.prepare()
+    with open_volume(vol) as v:
+        files = layout.read_index(v).select().safetensors
+    deadline = time.monotonic() + 10
+    while len(node.copier.registered) < len(files) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    state = node.service.volumes["csi-0123"]
+    assert sorted(off - state.address for off in node.copier.registered) == \
+        [f.offset for f in files]
+    # A second model staged into the volume is registered by the poller, without a
+    # new prepare; releasing the volume unregisters everything.
+    lm.sharded_model(work / "src-b")
+    with open_volume(vol, writable=True) as v:
+        stage(v, str(work / "src-b"), name="b")
+    deadline = time.monotonic() + 10
+    while len(node.copier.registered) < 2 * len(files) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(node.copier.registered) == 2 * len(files)
+    node.link.release("csi-0123")
+    assert node.copier.registered == {} and "csi-0123" not in node.service.volumes
+
+
+def test_a_client_that_never_prepared_is_served_from_the_forwarded_fd(work, node_factory):
+    vol, _ = staged(work)
+    node = node_factory(vol)  # no prepare: e.g. the service restarted since publish
+    copies, size, _ = whole_model_copies(vol)
+    fd, out = allocation(size)
+    request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None)
+    data = Path(vol).read_bytes()
+    c = copies[0]
+    assert out[c.dst:c.dst + c.nbytes] == data[c.src:c.src + c.nbytes]
+
+
+@pytest.mark.parametrize("case", ["pipe-fd", "short", "past-alloc", "past-volume",
+                                  "other-gpu", "no-fd", "garbage"])
+def test_bad_requests_are_refused_and_nothing_is_written(work, node_factory, case):
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    copies, size, _ = whole_model_copies(vol)
+    fd, out = allocation(size)
+    gpu = FAKE_GPU
+    expect = {"pipe-fd": "not an exported GPU allocation", "short": "smaller than",
+              "past-alloc": "outside the allocation", "past-volume": "outside the volume",
+              "other-gpu": "cannot reach", "no-fd": "exactly one fd",
+              "garbage": "not a JSON message"}[case]
+    if case == "pipe-fd":
+        r, w = os.pipe()
+        os.close(w)
+        fd = r
+    elif case == "short":
+        fd, out = allocation(size // 2 // 4096 * 4096)
+    elif case == "past-alloc":
+        copies = [*copies, protocol.Copy(copies[0].src, size - 10, 100)]
+    elif case == "past-volume":
+        copies = [protocol.Copy(os.path.getsize(vol) - 10, 0, 100)]
+    elif case == "other-gpu":
+        gpu = "GPU-ffffffff-0000-0000-0000-000000000000"
+    if case in ("no-fd", "garbage", "other-gpu"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(node.sock)
+        reader = protocol.Reader(sock)
+        hello = reader.read()
+        assert hello["gpus"] == [FAKE_GPU]
+        req = protocol.CopyRequest(gpu, size, tuple(copies)).to_json()
+        if case == "garbage":
+            sock.sendall(b"{not json\n")
+        else:
+            protocol.send(sock, req, [] if case == "no-fd" else [fd])
+        reply = reader.read()
+        sock.close()
+        assert expect in reply["error"], reply
+    else:
+        with pytest.raises(NodeCopyError, match=expect):
+            request_copies(node.sock, fd, gpu, size, copies, lambda k: None)
+    if case != "pipe-fd":
+        assert out[:] == bytes(len(out))  # nothing written
+    assert node.service.failed == 1
+
+
+def test_the_pod_must_belong_to_the_volume_pod(work, node_factory):
+    vol, _ = staged(work)
+    proc = work / "proc"
+    (proc / str(os.getpid())).mkdir(parents=True)
+    (proc / str(os.getpid()) / "cgroup").write_text("0::/kubepods/podother/c\n")
+    node = node_factory(vol, pod_uid=str(uuid.uuid4()), proc_root=str(proc))
+    copies, size, _ = whole_model_copies(vol)
+    fd, out = allocation(size)
+    with pytest.raises(NodeCopyError, match="not in that pod's cgroup"):
+        request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None)
+    assert node.dax.refused == 1 and node.service.served == 0
+    assert out[:] == bytes(size)
+
+
+def test_an_absent_service_is_a_clear_error(work, node_factory):
+    vol, _ = staged(work)
+    node = node_factory(vol, control=str(work / "nobody.sock"))
+    assert not node.prepare()
+    fd, _ = allocation(4096)
+    with pytest.raises(NodeCopyError, match=r"GPU copy service on this node .* is not reachable"):
+        request_copies(node.sock, fd, FAKE_GPU, 4096, [], lambda k: None)
+    with pytest.raises(ServiceUnavailable):
+        node.link.forward(node.meta, socket.socket(socket.AF_UNIX), 0)
+
+
+def test_a_silent_service_times_out(work, node_factory):
+    vol, _ = staged(work)
+    node = node_factory(vol, copier=FakeCopier(delay=2.0))
+    copies, size, _ = whole_model_copies(vol)
+    fd, _ = allocation(size)
+    started = time.monotonic()
+    with pytest.raises(NodeCopyError, match="timed out") as info:
+        request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None, timeout=0.5)
+    assert time.monotonic() - started < 5 and info.value.done < len(copies)
+
+
+def test_a_service_killed_mid_copy_reports_what_landed(work, node_factory):
+    vol, _ = staged(work)
+    control = str(work / "proc-service.sock")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "csi_pmem", "gpu-copy", "--socket", control,
+                             "--copier", "fake", "--fake-delay", "0.3"], env=env,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(control):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        node = node_factory(vol, control=control)
+        copies, size, _ = whole_model_copies(vol)
+        assert len(copies) >= 3
+        fd, out = allocation(size)
+        seen: list[int] = []
+
+        def progress(k: int) -> None:
+            seen.append(k)
+            if k == 1:
+                proc.send_signal(signal.SIGKILL)
+
+        with pytest.raises(NodeCopyError) as info:
+            request_copies(node.sock, fd, FAKE_GPU, size, copies, progress)
+        assert info.value.done == 1 and seen == [1]
+        data = Path(vol).read_bytes()
+        c = copies[0]
+        assert out[c.dst:c.dst + c.nbytes] == data[c.src:c.src + c.nbytes]
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_service_socket_lookup(work, monkeypatch):
+    vol, _ = staged(work)
+    with open_volume(vol) as v:
+        assert service_socket(v) is None  # a plain file has no gpu.sock
+        monkeypatch.setenv("CSI_PMEM_GPU_COPY", "/x/gpu.sock")
+        assert service_socket(v) == "/x/gpu.sock"
+        monkeypatch.setenv("CSI_PMEM_GPU_COPY", "off")
+        assert service_socket(v) is None
+
+
+def test_protocol_limits():
+    with pytest.raises(protocol.ProtocolError, match="non-negative"):
+        protocol.parse_copy_request({"op": "copy", "gpu": "g", "size": 10,
+                                     "copies": [[0, -1, 3]]}, 100)
+    with pytest.raises(protocol.ProtocolError, match="invalid allocation size"):
+        protocol.parse_copy_request({"op": "copy", "gpu": "g", "size": 0, "copies": []}, 100)
+    with pytest.raises(protocol.ProtocolError, match="invalid volume_id"):
+        protocol.volume_meta({"volume_id": "../x", "usable_size": 1})
+    req = protocol.parse_copy_request(json.loads(json.dumps(
+        protocol.CopyRequest("g", 10, (protocol.Copy(1, 2, 3),)).to_json())), 100)
+    assert req.copies == (protocol.Copy(1, 2, 3),) and req.nbytes == 3
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for tmpfs mounts")
+def test_the_driver_serves_gpu_sock_and_releases_the_volume(driver_factory, work):
+    from csi_pmem import weights_cli
+
+    control = str(work / "svc.sock")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    log = open(work / "service.log", "wb")
+    svc = subprocess.Popen([sys.executable, "-m", "csi_pmem", "gpu-copy", "--socket", control,
+                            "--copier", "fake", "--poll-seconds", "0.1", "--log-level", "debug"],
+                           env=env, stderr=log)
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(control):
+            assert svc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        driver = driver_factory(extra=["--gpu-copy-socket", control]).start()
+        lm.sharded_model(work / "src")
+        vid = driver.create("weights", size=64 * MiB).volume.volume_id
+        rw = driver.target("stager")
+        driver.publish(vid, rw)
+        assert os.path.exists(os.path.join(rw, protocol.SOCKET_NAME))
+        assert weights_cli.main(["stage", str(work / "src"), rw, "-q"]) == 0
+        driver.unpublish(vid, rw)
+
+        ro = driver.target("server")
+        driver.publish(vid, ro, readonly=True)  # read-only publications may use it
+        with open_volume(ro) as v:
+            assert service_socket(v) == os.path.join(ro, protocol.SOCKET_NAME)
+            view = open_model(v)
+            placements, size = place([t for ts in view.select().values() for t in ts][:1])
+            data = bytes(v.view(placements[0].src, placements[0].nbytes))
+        fd, out = allocation(4096 * (1 + size // 4096))
+        request_copies(os.path.join(ro, protocol.SOCKET_NAME), fd, FAKE_GPU, len(out),
+                       [protocol.Copy(placements[0].src, 0, placements[0].nbytes)],
+                       lambda k: None)
+        assert out[:placements[0].nbytes] == data
+        driver.unpublish(vid, ro)
+        assert not os.path.exists(ro)
+        driver.delete(vid)
+    finally:
+        svc.send_signal(signal.SIGTERM)
+        assert svc.wait(15) == 0
+        log.close()
+    text = (work / "service.log").read_text()
+    assert "registered" in text and f"volume {vid} released" in text
