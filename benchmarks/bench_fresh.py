@@ -29,7 +29,8 @@ tensor that differs. Methods (METHODS; add a variant of ours with one line):
                    per volume, named ours@<basename>
 A method whose library is not installed shows as "not installed" and is not retried;
 a nonzero exit status (a signal shows as -N), a timeout or an inexact result shows in
-the table. Exit status: 0 if every run that could run succeeded bit-exact, else 1.
+the table. Each worker's stdout and stderr are kept in WORK/logs/r<round>-<method>.*.
+Exit status: 0 if every run that could run succeeded bit-exact, else 1.
 
 Usage (peers from the wheels benchmarks/fetch_peer_wheels.sh downloads):
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -86,10 +87,10 @@ class Ctx:
 
 @dataclass(frozen=True)
 class Method:
-    """``run`` is timed and returns ``{name: tensor}`` (or None: nothing to check);
-    ``setup`` runs before the clock (imports, buffers; ImportError = not installed);
-    ``env`` may ask for environment variables, applied by re-executing the worker
-    before torch is imported; ``volume``: loads from ``Ctx.volume``."""
+    """``run`` is timed and returns ``{name: tensor}`` (or None: nothing to check).
+    ``setup`` runs before the clock (imports, buffers); ModuleNotFoundError there means
+    not installed. ``env`` may ask for environment variables, applied by re-executing
+    the worker before torch is imported. ``volume``: loads from ``Ctx.volume``."""
 
     run: Callable[[Ctx], dict[str, Any] | None]
     setup: Callable[[Ctx], None] | None = None
@@ -214,9 +215,12 @@ def compare(got: dict[str, Any], ref: dict[str, dict[str, Any]], dev: Any) -> st
         if t.device != want:
             return f"{name}: on {t.device}, not {want}"
         mine = describe(t, want)
-        for key in ("dtype", "shape", "bytes", "fp"):
+        for key in ("dtype", "shape", "bytes"):
             if mine[key] != expected[key]:
                 return f"{name}: {key} {mine[key]} != {expected[key]}"
+        if mine["fp"] != expected["fp"]:
+            how = "sum" if mine["fp"][0] != expected["fp"][0] else "order"
+            return f"{name}: bytes differ ({how} of the int64 words)"
     return None
 
 
@@ -259,7 +263,7 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
         ctx.device = str(dev)
         if method.setup is not None:
             method.setup(ctx)
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:  # a broken install (other ImportError) fails
         emit(status="not installed", error=str(exc))
         return NOT_INSTALLED
     started = time.perf_counter()
@@ -563,21 +567,36 @@ def model_dir(args: argparse.Namespace) -> str:
     import make_model
 
     src = os.path.join(args.work, "model")
-    stamp = os.path.join(args.work, "model.size")
+    stamp = os.path.join(args.work, "model.size")  # written before make: the dir is ours
     size = int(args.size_gb * 1e9)
     try:
         with open(stamp) as f:
-            current = int(f.read().strip())
-    except (OSError, ValueError):
+            current: str | None = f.read().strip()
+    except OSError:
         current = None
-    if current != size or not os.path.exists(os.path.join(src, "config.json")):
-        shutil.rmtree(src, ignore_errors=True)
+    config = os.path.join(src, "config.json")
+    if current != str(size) or not os.path.exists(config):
+        if os.path.exists(src):
+            if current is None and not _synthetic(config):
+                raise SystemExit(f"{src} exists and is not a model make_model.py wrote; "
+                                 "pass it as --model or pick another --work")
+            shutil.rmtree(src)
+        with open(stamp, "w") as f:
+            f.write("generating")
         t = time.perf_counter()
         info = make_model.make(size, src)
         with open(stamp, "w") as f:
             f.write(str(size))
         log(f"generated {info} in {time.perf_counter() - t:.1f} s")
     return src
+
+
+def _synthetic(config: str) -> bool:
+    try:
+        with open(config) as f:
+            return json.load(f).get("model_type") == "synthetic"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def stage_volumes(args: argparse.Namespace, src: str) -> list[str]:

@@ -67,7 +67,7 @@ import os
 import sys
 from typing import Any
 
-# Peer name -> modules the worker imports before the clock (ImportError: not installed).
+# Peer name -> modules the worker imports before the clock (missing: not installed).
 MODULES = {
     "safetensors": ("safetensors.torch",),
     "instanttensor": ("instanttensor",),

@@ -318,3 +318,66 @@ def test_a_block_device_loads_through_bounce_buffers(models, monkeypatch):
             assert loader.last_path == "bounce"
             assert "block device" in loader.registration_refused_reason
     assert_same(got, reference(models / "bf16"))
+
+
+def _cuda_bindings() -> bool:
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+node_copy = pytest.mark.skipif(not (torch.cuda.is_available() and _cuda_bindings()),
+                               reason="needs CUDA and cuda-bindings")
+
+
+@node_copy
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_node_copy_service_loads_bit_exact(models, tmp_path, verify):
+    from csi_pmem.gpucopy.standalone import published
+    from csi_pmem.loader.gpu import GpuLoader
+
+    vol = lm.staged_volume(models / "sharded", models / "v")
+    with published(str(vol), str(tmp_path / "pub")) as directory, \
+            GpuLoader("cuda:0") as loader:
+        handle = start_load(directory, "cuda:0", loader=loader, verify=verify)
+        got = handle.result(timeout=60)
+        assert handle.path == "node" and loader.node_copy_refused is None
+    assert_same(got, reference(models / "sharded"))
+
+
+@node_copy
+def test_a_corrupt_byte_fails_a_node_copied_load(models, tmp_path):
+    from csi_pmem.gpucopy.standalone import published
+
+    vol = lm.staged_volume(models / "np", models / "v")
+    with open_volume(vol) as v:
+        f = read_index(v).models[0].files[0]
+    with open(vol, "r+b") as fh:
+        fh.seek(f.offset + f.length - 3)
+        fh.write(b"\xff\xfe\xfd")
+    with published(str(vol), str(tmp_path / "pub")) as directory, \
+            pytest.raises(ChecksumError, match="wsum64"):
+        load_safetensors(directory, "cuda:0")
+
+
+@node_copy
+def test_without_the_service_the_load_falls_back_once(models, tmp_path, caplog):
+    import os
+
+    from csi_pmem.gpucopy.standalone import published
+    from csi_pmem.loader.gpu import GpuLoader
+
+    vol = lm.staged_volume(models / "sharded", models / "v")
+    with published(str(vol), str(tmp_path / "pub")) as directory:
+        os.unlink(os.path.join(directory, ".gpu-copy-control.sock"))  # the service "died"
+        with GpuLoader("cuda:0") as loader:
+            got = load_safetensors(directory, "cuda:0", loader=loader)
+            again = load_safetensors(directory, "cuda:0", loader=loader)
+            assert loader.last_path in ("hybrid", "registered", "bounce")
+            assert "not reachable" in (loader.node_copy_refused or "")
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "in-pod" in r.message]
+    assert len(warned) == 1
+    assert_same(got, reference(models / "sharded"))
+    assert_same(again, reference(models / "sharded"))
