@@ -381,3 +381,41 @@ def test_without_the_service_the_load_falls_back_once(models, tmp_path, caplog):
     assert len(warned) == 1
     assert_same(got, reference(models / "sharded"))
     assert_same(again, reference(models / "sharded"))
+
+
+FRESH = """
+import sys, torch
+from csi_pmem.loader import load_safetensors
+from csi_pmem.loader.gpu import GpuLoader
+path, mode = sys.argv[1], sys.argv[2]
+loader = GpuLoader("cuda:0", mode=mode)  # left open: the exit must still be clean
+got = load_safetensors(path, "cuda:0", loader=loader)
+torch.cuda.synchronize()
+print(loader.last_path, len(got))
+"""
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["bounce", "registered", "hybrid", "node"])
+def test_fresh_processes_exit_cleanly(models, tmp_path, mode):
+    import os
+    import subprocess
+    import sys
+    from contextlib import nullcontext
+    from pathlib import Path
+
+    if mode == "node" and not _cuda_bindings():
+        pytest.skip("needs cuda-bindings")
+    from csi_pmem.gpucopy.standalone import published
+
+    vol = lm.staged_volume(models / "sharded", models / "v")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    ctx = published(str(vol), str(tmp_path / "pub")) if mode == "node" else nullcontext()
+    with ctx as directory:
+        for _ in range(5):
+            out = subprocess.run([sys.executable, "-c", FRESH, directory or str(vol),
+                                  "auto" if mode == "node" else mode], env=env,
+                                 capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stderr[-2000:]
+            assert out.stdout.split()[0] == mode, out.stdout
