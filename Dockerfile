@@ -28,8 +28,9 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY csi_pmem ./csi_pmem
 # The project's wheel and the wheels of its dependencies (grpcio, protobuf,
-# prometheus-client, pyudev): the runtime stage installs from these only.
-RUN python3 -m pip wheel --wheel-dir /wheels .
+# prometheus-client, pyudev; cuda-bindings for the optional GPU copy service container,
+# which runs from this image: `csi-pmem gpu-copy`): the runtime stage installs from these.
+RUN python3 -m pip wheel --wheel-dir /wheels ".[gpu-copy]"
 
 FROM ${DEBIAN_IMAGE}
 ARG DEBIAN_IMAGE
@@ -54,7 +55,7 @@ RUN apt-get update \
 # so they are not left in a layer), the entry points also on the default PATH.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python3 -m venv /opt/csi-pmem \
- && /opt/csi-pmem/bin/pip install --no-cache-dir --no-index --find-links /wheels csi-pmem \
+ && /opt/csi-pmem/bin/pip install --no-cache-dir --no-index --find-links /wheels "csi-pmem[gpu-copy]" \
  && /opt/csi-pmem/bin/python -c "import csi_pmem.daxclient, grpc" \
  && ln -s /opt/csi-pmem/bin/csi-pmem /usr/local/bin/csi-pmem \
  && ln -s /opt/csi-pmem/bin/csi-pmem-weights /usr/local/bin/csi-pmem-weights \
