@@ -25,8 +25,12 @@ tensor that differs. Methods (METHODS; add a variant of ours with one line):
                    the peers (benchmarks/peers.py) reading the model files (tmpfs)
   ours, ours-noverify
                    csi_pmem.loader.load_safetensors(VOLUME, device=...) with default
-                   verification / verify=False; with several --volume paths one method
-                   per volume, named ours@<basename>
+                   verification / verify=False, in-pod (no copy service); with several
+                   --volume paths one method per volume, named ours@<basename>
+  ours-node, ours-node-noverify
+                   the same from a published directory over the first volume whose
+                   gpu.sock reaches the node's GPU copy service (its own process, as
+                   deployed: csi_pmem.gpucopy.standalone), registered before the rounds
 A method whose library is not installed shows as "not installed" and is not retried;
 a nonzero exit status (a signal shows as -N), a timeout or an inexact result shows in
 the table. Each worker's stdout and stderr are kept in WORK/logs/r<round>-<method>.*.
@@ -40,6 +44,7 @@ Usage (peers from the wheels benchmarks/fetch_peer_wheels.sh downloads):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -97,6 +102,9 @@ class Method:
     env: Callable[[Ctx], dict[str, str]] | None = None
     volume: bool = False
     check: bool = True
+    # Loads from the volume published with the node's GPU copy service
+    # (csi_pmem.gpucopy.standalone: dax.sock + gpu.sock + the service process).
+    node: bool = False
 
 
 def _ceiling_setup(ctx: Ctx) -> None:
@@ -137,8 +145,9 @@ def peer(name: str) -> Method:
     return Method(run, setup, env if name == "fastsafetensors" else None)
 
 
-def ours(**kw: Any) -> Method:
-    """csi_pmem.loader.load_safetensors(volume, device=..., **kw), as a pod calls it."""
+def ours(node: bool = False, **kw: Any) -> Method:
+    """csi_pmem.loader.load_safetensors(volume, device=..., **kw), as a pod calls it;
+    ``node``: from a published directory whose gpu.sock reaches the copy service."""
     def setup(ctx: Ctx) -> None:
         import csi_pmem.loader  # noqa: F401
 
@@ -147,7 +156,11 @@ def ours(**kw: Any) -> Method:
 
         return load_safetensors(ctx.volume, device=ctx.device, **kw)
 
-    return Method(run, setup, volume=True)
+    def env(ctx: Ctx) -> dict[str, str]:
+        # In-pod rows must not reach a service, node rows must (no silent fallback).
+        return {"CSI_PMEM_GPU_COPY": "auto" if node else "off"}
+
+    return Method(run, setup, env, volume=True, node=node)
 
 
 METHODS: dict[str, Method] = {
@@ -158,6 +171,8 @@ METHODS: dict[str, Method] = {
     "runai": peer("runai"),
     "ours": ours(),
     "ours-noverify": ours(verify=False),
+    "ours-node": ours(node=True),
+    "ours-node-noverify": ours(node=True, verify=False),
 }
 
 
@@ -315,12 +330,16 @@ def parse_methods(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def expand(names: list[str], volumes: list[str]) -> list[tuple[str, str, str | None]]:
+def expand(names: list[str], volumes: list[str],
+           node_dir: str | None = None) -> list[tuple[str, str, str | None]]:
     """(label, method, volume) per measured method: a volume method once per volume,
-    labelled method@<basename> when there are several."""
+    labelled method@<basename> when there are several; node methods once, from the
+    published directory ``node_dir``."""
     out: list[tuple[str, str, str | None]] = []
     for name in names:
-        if not METHODS[name].volume:
+        if METHODS[name].node:
+            out.append((name, name, node_dir))
+        elif not METHODS[name].volume:
             out.append((name, name, None))
         elif len(volumes) == 1:
             out.append((name, name, volumes[0]))
@@ -719,14 +738,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"no *.safetensors in {src}")
     nbytes, ntensors = tensor_bytes(files)
     volumes = stage_volumes(args, src) if any(METHODS[n].volume for n in names) else []
-    entries = expand(names, volumes)
     common = {"files": files, "device": args.device, "nbytes": nbytes, "scratch": args.work,
               "reference": os.path.join(args.work, "reference.json")}
     ref_env = make_reference(common, args, logs)
     env = environment(args, src, volumes, ref_env)
     log(f"model {nbytes / 1e9:.2f} GB, {ntensors} tensors in {len(files)} files; {env}")
-    records = run_rounds(entries, args.rounds, lambda label, base, vol, rnd: measure(
-        label, base, vol, rnd, common, args, logs))
+    with contextlib.ExitStack() as stack:
+        node_dir = None
+        if any(METHODS[n].node for n in names):
+            from csi_pmem.gpucopy.standalone import published
+
+            node_dir = stack.enter_context(published(volumes[0],
+                                                     os.path.join(args.work, "published")))
+        entries = expand(names, volumes, node_dir)
+        records = run_rounds(entries, args.rounds, lambda label, base, vol, rnd: measure(
+            label, base, vol, rnd, common, args, logs))
     rows = summarize([e[0] for e in entries], records)
     table = render_table(rows)
     print(f"\n{env.get('gpu', '?')}, torch {env.get('torch', '?')}: model "

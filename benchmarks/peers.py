@@ -39,8 +39,9 @@ What is unfair, and to whom:
 - To the peers: their import and our import are both outside the clock, but our timed
   call includes what a fresh process pays once (mapping the volume, creating the
   default GpuLoader and its pinned buffers), as the peers' calls include theirs.
-- To us: ``ours`` verifies sha256 checksums of every byte by default; no peer checks
-  anything. ``ours-noverify`` is the like-for-like row.
+- To us: ``ours`` checks every loaded byte against the staged checksums by default
+  (wsum64 on the device, or SHA-256 on the host for SHA-256 volumes and subsets); no
+  peer checks anything. ``ours-noverify`` is the like-for-like row.
 - To instanttensor: ``copy=True`` (its default) adds a device-to-device clone of every
   tensor; ``copy=False`` would skip it but yields ring-buffer views that later tensors
   overwrite, which cannot be kept as a state dict.
