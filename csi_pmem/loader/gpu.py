@@ -49,6 +49,7 @@ from csi_pmem.loader.pipeline import BouncePipeline
 from csi_pmem.loader.registered import (
     DIRECT_CHUNK,
     HOST_REGISTER_PORTABLE,
+    REGISTER_STEP,
     Registration,
     RegistrationError,
     copy_direct,
@@ -344,10 +345,11 @@ class GpuLoader:
 
     def __init__(self, device: str | Any = "cuda", *, buffers: int = 24,
                  buffer_size: int = 16 * MiB, threads: int = 12, mode: str = AUTO,
-                 auto_register_after: int | None = 2, node_copy: bool = True):
+                 auto_register_after: int | None = 2, node_copy: bool = True,
+                 register_step: int = REGISTER_STEP):
         torch = _torch()
-        if mode not in (AUTO, BOUNCE, REGISTERED):
-            raise ValueError(f"mode must be {AUTO}, {BOUNCE} or {REGISTERED}")
+        if mode not in (AUTO, BOUNCE, REGISTERED, HYBRID):
+            raise ValueError(f"mode must be {AUTO}, {BOUNCE}, {REGISTERED} or {HYBRID}")
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"GpuLoader needs a cuda device, not {device}")
@@ -356,6 +358,7 @@ class GpuLoader:
         self.nbuffers, self.buffer_size, self.threads = buffers, buffer_size, threads
         self.mode = mode
         self.auto_register_after = auto_register_after
+        self.register_step = register_step  # bytes per cudaHostRegister call
         # Use the node's GPU copy service when the volume offers one (gpu.sock).
         self.node_copy = node_copy
         self.node_copy_refused: str | None = None  # why the last load could not use it
@@ -438,13 +441,13 @@ class GpuLoader:
             self._registrations[key] = Registration(view.volume)
         return self._registrations[key]
 
-    @staticmethod
-    def _pieces(view: ModelView, files: Iterable[str] | None = None) -> list[tuple[int, int]]:
+    def _pieces(self, view: ModelView, files: Iterable[str] | None = None
+                ) -> list[tuple[int, int]]:
         vol = view.volume
         wanted = None if files is None else set(files)
         return register_pieces([(f.offset, min(vol.size, planning.round_up(f.end, vol.align)))
                                 for f in view.model.safetensors
-                                if wanted is None or f.name in wanted])
+                                if wanted is None or f.name in wanted], self.register_step)
 
     def _pipeline(self, numa_node: int | None) -> BouncePipeline:
         if self._backend is None:
@@ -592,6 +595,7 @@ class GpuLoader:
         when it did, else the targets (buffers attached, finished tensors left out) that
         still need copying in-pod; says why once per socket."""
         torch = _torch()
+        t0 = time.monotonic()
         try:
             session = nodecopy.Session(socket_path)
         except nodecopy.NodeCopyError as exc:
@@ -634,11 +638,15 @@ class GpuLoader:
                 reported[0] = k
 
             fd = alloc.export_fd()
+            t1 = time.monotonic()
             del alloc
             try:
-                session.copy(fd, request, progress)
+                report = session.copy(fd, request, progress)
             finally:
                 os.close(fd)
+            log.debug("node copy: %.1f ms to connect, allocate and export, %.1f ms until "
+                      "done (service: %.1f ms copying)", (t1 - t0) * 1e3,
+                      (time.monotonic() - t1) * 1e3, float(report.get("seconds", 0)) * 1e3)
         except nodecopy.NodeCopyError as exc:
             self._node_fallback(socket_path, exc)
             return _unfinished(targets)
