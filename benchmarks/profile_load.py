@@ -35,6 +35,8 @@ def main() -> int:
     p.add_argument("--register-mib", type=int, default=1024)
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--no-node", action="store_true", help="do not use a gpu.sock")
+    p.add_argument("--no-hybrid-bounce", action="store_true",
+                   help="hybrid loads: registration only, no bounce buffers from the back")
     p.add_argument("--log", action="store_true")
     args = p.parse_args()
     if args.log:
@@ -61,7 +63,8 @@ def main() -> int:
     t = time.perf_counter()
     loader = GpuLoader(args.device, buffers=args.buffers, buffer_size=args.buffer_mib * MiB,
                        threads=args.threads, mode=args.mode, node_copy=not args.no_node,
-                       register_step=args.register_mib * MiB)
+                       register_step=args.register_mib * MiB,
+                       hybrid_bounce=not args.no_hybrid_bounce)
     phases["loader"] = time.perf_counter() - t
     t = time.perf_counter()
     handle = start_load(view, args.device, loader=loader, verify=not args.no_verify)

@@ -36,6 +36,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,7 @@ BOUNCE = "bounce"
 REGISTERED = "registered"
 HYBRID = "hybrid"
 NODE = "node"  # the node's GPU copy service did the copies (csi_pmem.gpucopy)
+POPULATE_SLICE = 64 * MiB  # one madvise(MADV_POPULATE_*) call of the hybrid's prefault
 AUTO = "auto"
 
 TensorDone = Callable[[str, Any], None]
@@ -346,7 +348,7 @@ class GpuLoader:
     def __init__(self, device: str | Any = "cuda", *, buffers: int = 24,
                  buffer_size: int = 16 * MiB, threads: int = 12, mode: str = AUTO,
                  auto_register_after: int | None = 2, node_copy: bool = True,
-                 register_step: int = REGISTER_STEP):
+                 register_step: int = REGISTER_STEP, hybrid_bounce: bool = True):
         torch = _torch()
         if mode not in (AUTO, BOUNCE, REGISTERED, HYBRID):
             raise ValueError(f"mode must be {AUTO}, {BOUNCE}, {REGISTERED} or {HYBRID}")
@@ -359,12 +361,14 @@ class GpuLoader:
         self.mode = mode
         self.auto_register_after = auto_register_after
         self.register_step = register_step  # bytes per cudaHostRegister call
+        self.hybrid_bounce = hybrid_bounce  # bounce buffers from the back in hybrid loads
         # Use the node's GPU copy service when the volume offers one (gpu.sock).
         self.node_copy = node_copy
         self.node_copy_refused: str | None = None  # why the last load could not use it
         self._node_warned: set[str] = set()
         self._backend: _TorchBackend | None = None
         self._pipelines: dict[int | None, BouncePipeline] = {}
+        self._populate_pool: ThreadPoolExecutor | None = None
         self._registrations: dict[int, Registration] = {}
         self._loads: dict[int, int] = {}
         self._refused: dict[int, str] = {}  # mappings whose registration failed
@@ -386,6 +390,9 @@ class GpuLoader:
             for p in self._pipelines.values():
                 p.close()
             self._pipelines.clear()
+            if self._populate_pool is not None:
+                self._populate_pool.shutdown(wait=True, cancel_futures=True)
+                self._populate_pool = None
             for r in self._registrations.values():
                 r.close()
             self._registrations.clear()
@@ -699,23 +706,33 @@ class GpuLoader:
 
         alloc_stream = torch.cuda.current_stream(self.device)
         outcome: dict[str, BaseException] = {}
+        populated = self._populate_ahead(view.volume, pieces, by_piece)
         front = threading.Thread(
             target=self._register_front,
             args=(registration, pieces, by_piece, sides, [t.buffer for t in targets],
-                  alloc_stream, on_done, outcome), name="register", daemon=True)
+                  alloc_stream, on_done, outcome, populated), name="register", daemon=True)
         front.start()
-        pipe = self._pipeline(view.volume.numa_node)
-        assert self._backend is not None
-        self._backend.targets = [t.buffer for t in targets]
-        self._backend.stream.wait_stream(alloc_stream)
         try:
-            pipe.run(sides.take, view.volume.address, on_done)
+            if self.hybrid_bounce:
+                pipe = self._pipeline(view.volume.numa_node)
+                assert self._backend is not None
+                self._backend.targets = [t.buffer for t in targets]
+                self._backend.stream.wait_stream(alloc_stream)
+                pipe.run(sides.take, view.volume.address, on_done)
             front.join()
-            if sides.left:  # a piece the front side gave back after the workers ended
+            if sides.left:  # pieces the front side gave back (or left, without bounce)
+                pipe = self._pipeline(view.volume.numa_node)
+                assert self._backend is not None
+                self._backend.targets = [t.buffer for t in targets]
+                self._backend.stream.wait_stream(alloc_stream)
                 pipe.run(sides.take, view.volume.address, on_done)
         finally:
             front.join()
-            self._backend.targets = []
+            for futs in populated.values():
+                for f in futs:
+                    f.cancel()
+            if self._backend is not None:
+                self._backend.targets = []
         if "fatal" in outcome:
             raise outcome["fatal"]
         log.debug("hybrid load: %d of %d pieces registered and copied by the copy engine",
@@ -728,12 +745,29 @@ class GpuLoader:
             log.warning("%s; the rest of this load went through bounce buffers", refused)
         return None
 
+    def _populate_ahead(self, volume: Volume, pieces: list[tuple[int, int]],
+                        by_piece: list[list[planning.Chunk]]) -> dict[int, list[Any]]:
+        """Fault the pieces in, front first, from the loader's threads (see
+        :meth:`.volume.Volume.populate`); futures per piece index."""
+        if self._populate_pool is None:
+            self._populate_pool = ThreadPoolExecutor(self.threads,
+                                                     thread_name_prefix="populate")
+        out: dict[int, list[Any]] = {}
+        for i, (start, end) in enumerate(pieces):
+            if by_piece[i]:
+                out[i] = [self._populate_pool.submit(volume.populate, o,
+                                                     min(POPULATE_SLICE, end - o))
+                          for o in range(start, end, POPULATE_SLICE)]
+        return out
+
     def _register_front(self, registration: Registration, pieces: list[tuple[int, int]],
                         by_piece: list[list[planning.Chunk]],
                         sides: planning.MeetInTheMiddle, buffers: list[Any],
                         alloc_stream: Any, on_done: Callable[[planning.Chunk], None],
-                        outcome: dict[str, BaseException]) -> None:
-        """The hybrid load's front side: register a piece, queue its copies, repeat."""
+                        outcome: dict[str, BaseException],
+                        populated: dict[int, list[Any]]) -> None:
+        """The hybrid load's front side: wait until a piece is faulted in, register it,
+        queue its copies, repeat."""
         torch = _torch()
         pending: list[tuple[Any, planning.Chunk]] = []
         try:
@@ -743,6 +777,9 @@ class GpuLoader:
             src = registration.source
             with torch.cuda.stream(stream):
                 while (i := sides.claim_front()) is not None:
+                    for f in populated.get(i, []):
+                        with contextlib.suppress(Exception):
+                            f.result()
                     try:
                         registration.ensure(*pieces[i])
                     except RegistrationError as exc:
