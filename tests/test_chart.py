@@ -120,12 +120,21 @@ def emulated(helm: str) -> Manifests:
     return Manifests(render(helm, "-f", str(EMULATED_VALUES)))
 
 
+GPU_COPY_ON = ("--set", "gpuCopy.enabled=true", "--set", "gpuCopy.runtimeClassName=nvidia")
+
+
+@pytest.fixture(scope="session")
+def gpu_copy(helm: str) -> Manifests:
+    return Manifests(render(helm, *GPU_COPY_ON))
+
+
 # --------------------------------------------------------------------------- lint
 
 
-@pytest.mark.parametrize("values", [None, EMULATED_VALUES], ids=["default", "emulated"])
-def test_helm_lint_strict_is_clean(helm: str, values: Path | None) -> None:
-    proc = run_helm(helm, "lint", "--strict", *(["-f", str(values)] if values else []))
+@pytest.mark.parametrize("args", [(), ("-f", str(EMULATED_VALUES)), GPU_COPY_ON],
+                         ids=["default", "emulated", "gpu-copy"])
+def test_helm_lint_strict_is_clean(helm: str, args: tuple[str, ...]) -> None:
+    proc = run_helm(helm, "lint", "--strict", *args)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "[WARNING]" not in out and "[ERROR]" not in out, out
@@ -193,7 +202,7 @@ def test_driver_container(default: Manifests) -> None:
     assert "CSI_PMEM_EMULATED_REGIONS" not in env
 
 
-@pytest.mark.parametrize("which", ["default", "emulated"])
+@pytest.mark.parametrize("which", ["default", "emulated", "gpu_copy"])
 def test_driver_env_names_are_real_flags(which: str, request: pytest.FixtureRequest) -> None:
     """Every CSI_PMEM_* variable the chart sets is one `csi-pmem serve` reads."""
     m: Manifests = request.getfixturevalue(which)
@@ -294,6 +303,132 @@ def test_kubelet_dir_is_one_value(helm: str) -> None:
     assert m.host_path("registration-dir") == f"{k0s}/plugins_registry"
     assert m.env("driver")["CSI_PMEM_KUBELET_DIR"] == k0s
     assert "/var/lib/kubelet" not in yaml.safe_dump(m.one("DaemonSet"))
+
+
+# --------------------------------------------------------------------------- GPU copy
+
+
+GPU_COPY_MAIN = REPO / "csi_pmem" / "gpucopy" / "main.py"
+
+
+def gpu_copy_env_names() -> set[str]:
+    """The variables `csi-pmem gpu-copy` reads: ENV + "..." and literal CSI_PMEM_* names."""
+    text = GPU_COPY_MAIN.read_text()
+    prefix = re.search(r'^ENV = "(CSI_PMEM_[A-Z_]+)"$', text, re.M)
+    assert prefix, "csi_pmem/gpucopy/main.py no longer defines ENV"
+    names = {prefix.group(1) + m for m in re.findall(r'ENV \+ "([A-Z_]+)"', text)}
+    names |= set(re.findall(r'env\("(CSI_PMEM_[A-Z_]+)"', text))
+    assert "CSI_PMEM_GPU_COPY_SOCKET" in names, names  # the pattern still finds them
+    return names
+
+
+def test_gpu_copy_is_off_by_default(helm: str, default: Manifests) -> None:
+    assert "gpu-copy" not in {c["name"] for c in default.pod["containers"]}
+    assert "CSI_PMEM_GPU_COPY_SOCKET" not in default.env("driver")
+    assert "runtimeClassName" not in default.pod
+    # A runtime class alone changes nothing: it belongs to the service.
+    m = Manifests(render(helm, "--set", "gpuCopy.runtimeClassName=nvidia"))
+    assert "runtimeClassName" not in m.pod
+    assert "gpu-copy" not in {c["name"] for c in m.pod["containers"]}
+    # Enabled without a runtime class: the node's default runtime (no field).
+    m = Manifests(render(helm, "--set", "gpuCopy.enabled=true"))
+    assert "runtimeClassName" not in m.pod
+    assert m.container("gpu-copy")
+
+
+def test_gpu_copy_container(gpu_copy: Manifests) -> None:
+    pod = gpu_copy.pod
+    assert pod["runtimeClassName"] == "nvidia"
+    assert {c["name"] for c in pod["containers"]} == {
+        "driver", "gpu-copy", "csi-provisioner", "node-driver-registrar", "liveness-probe"}
+    svc = gpu_copy.container("gpu-copy")
+    driver = gpu_copy.container("driver")
+    # The same binary as the driver, run the same way (command, not the entrypoint).
+    assert driver["command"] == ["csi-pmem", "serve"]
+    assert svc["command"] == ["csi-pmem", "gpu-copy"]
+    assert "args" not in svc
+    env = gpu_copy.env("gpu-copy")
+    socket_path = gpu_copy.env("driver")["CSI_PMEM_GPU_COPY_SOCKET"]
+    assert env["CSI_PMEM_GPU_COPY_SOCKET"] == socket_path
+    # The socket lies in the plugin directory, mounted at the same path in both.
+    plugin = gpu_copy.mounts("driver")["plugin-dir"]["mountPath"]
+    assert gpu_copy.mounts("gpu-copy")["plugin-dir"]["mountPath"] == plugin
+    assert socket_path.startswith(plugin.rstrip("/") + "/")
+    assert set(gpu_copy.mounts("gpu-copy")) == {"plugin-dir"}  # no hostPath of its own
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    assert env["CSI_PMEM_GPU_COPY_POLL_SECONDS"] == "2"
+    assert env["CSI_PMEM_LOG_LEVEL"] == gpu_copy.env("driver")["CSI_PMEM_LOG_LEVEL"]
+    assert env["CSI_PMEM_LOG_FORMAT"] == gpu_copy.env("driver")["CSI_PMEM_LOG_FORMAT"]
+    # Asking for nvidia.com/gpu would take GPUs away from the inference pods.
+    resources = svc["resources"]
+    assert resources["requests"] == {"cpu": "50m", "memory": "128Mi"}
+    assert "limits" not in resources
+    assert not any(k.startswith("nvidia.com/") for part in resources.values() for k in part)
+    sc = svc["securityContext"]
+    assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc.get("privileged") is not True
+    assert sc["runAsUser"] == 0  # its socket is 0600 in the root-owned plugin directory
+    assert all("mountPropagation" not in m for m in svc["volumeMounts"])
+    # No other container sees the GPUs through the pod's runtime class.
+    for c in pod["containers"]:
+        if c["name"] != "gpu-copy":
+            assert not any(e["name"].startswith("NVIDIA_") for e in c.get("env", [])), c["name"]
+
+
+def test_gpu_copy_values(helm: str) -> None:
+    m = Manifests(render(helm, *GPU_COPY_ON, "--set", "gpuCopy.logLevel=debug",
+                         "--set-json", "gpuCopy.pollSeconds=0.5",  # --set: a string
+                         "--set", "gpuCopy.visibleDevices=",
+                         "--set", "gpuCopy.driverCapabilities=compute",
+                         "--set-json",
+                         'gpuCopy.extraEnv=[{"name": "CSI_PMEM_GPU_COPY_COPIER", '
+                         '"value": "fake"}]'))
+    env = m.env("gpu-copy")
+    assert env["CSI_PMEM_LOG_LEVEL"] == "debug"
+    assert m.env("driver")["CSI_PMEM_LOG_LEVEL"] == "info"
+    assert env["CSI_PMEM_GPU_COPY_POLL_SECONDS"] == "0.5"
+    assert "NVIDIA_VISIBLE_DEVICES" not in env
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute"
+    assert env["CSI_PMEM_GPU_COPY_COPIER"] == "fake"
+
+
+def test_gpu_copy_image_defaults_to_the_driver_image(helm: str, gpu_copy: Manifests) -> None:
+    driver, svc = gpu_copy.container("driver"), gpu_copy.container("gpu-copy")
+    assert svc["image"] == driver["image"]
+    assert svc["imagePullPolicy"] == driver["imagePullPolicy"]
+    m = Manifests(render(helm, *GPU_COPY_ON, "--set", "driver.image.tag=dev",
+                         "--set", "driver.image.pullPolicy=Always"))
+    assert m.container("gpu-copy")["image"] == m.container("driver")["image"]
+    assert m.container("driver")["image"].endswith(":dev")
+    assert m.container("gpu-copy")["imagePullPolicy"] == "Always"
+    m = Manifests(render(helm, *GPU_COPY_ON,
+                         "--set", "gpuCopy.image.repository=registry.example/gpu-copy",
+                         "--set", "gpuCopy.image.tag=1.2.3",
+                         "--set", "gpuCopy.image.pullPolicy=Never"))
+    assert m.container("gpu-copy")["image"] == "registry.example/gpu-copy:1.2.3"
+    assert m.container("gpu-copy")["imagePullPolicy"] == "Never"
+    assert m.container("driver")["image"] == driver["image"]
+    # Its own repository without a tag: the chart's appVersion, like the driver's.
+    m = Manifests(render(helm, *GPU_COPY_ON,
+                         "--set", "gpuCopy.image.repository=registry.example/gpu-copy"))
+    tag = driver["image"].rpartition(":")[2]
+    assert m.container("gpu-copy")["image"] == f"registry.example/gpu-copy:{tag}"
+
+
+def test_gpu_copy_env_names_are_real_flags(helm: str, gpu_copy: Manifests) -> None:
+    """Every CSI_PMEM_* variable the chart sets on gpu-copy is one `csi-pmem gpu-copy`
+    reads (the copier is chosen through extraEnv, so it counts too)."""
+    known = gpu_copy_env_names()
+    assert {"CSI_PMEM_GPU_COPY_SOCKET", "CSI_PMEM_GPU_COPY_COPIER",
+            "CSI_PMEM_GPU_COPY_POLL_SECONDS", "CSI_PMEM_LOG_LEVEL",
+            "CSI_PMEM_LOG_FORMAT"} <= known, known
+    names = {n for n in gpu_copy.env("gpu-copy") if n.startswith("CSI_PMEM_")}
+    assert names <= known, f"unknown gpu-copy variables: {sorted(names - known)}"
+    # The socket variable is one name for both sides: the driver's flag reads it too.
+    assert env_name("gpu_copy_socket") == "CSI_PMEM_GPU_COPY_SOCKET"
 
 
 # --------------------------------------------------------------------------- back ends
@@ -557,6 +692,12 @@ def test_metrics_service_and_optional_servicemonitor(helm: str, default: Manifes
     ("storageClasses.fsdax.mountOptions={a\\,b}", "/storageClasses/fsdax/mountOptions/0"),
     ("storageClasses.fsdax.name=Pmem", "/storageClasses/fsdax/name"),
     ("storageClasses.fsdax.align=2Mi", "/storageClasses/fsdax"),
+    ("gpuCopy.enabled=yes", "/gpuCopy/enabled"),
+    ("gpuCopy.pollSeconds=0", "/gpuCopy/pollSeconds"),
+    ("gpuCopy.logLevel=verbose", "/gpuCopy/logLevel"),
+    ("gpuCopy.runtimeClassName=NVIDIA", "/gpuCopy/runtimeClassName"),
+    ("gpuCopy.image.pullPolicy=Sometimes", "/gpuCopy/image/pullPolicy"),
+    ("gpuCopy.gpus=1", "gpus"),  # a typo (or a GPU request) is an error
 ])
 def test_schema_rejects_bad_values(helm: str, setting: str, path: str) -> None:
     proc = run_helm(helm, "template", "--set", setting)

@@ -164,16 +164,26 @@ def test_refused_registration_falls_back_loudly(models, monkeypatch, caplog):
 @pytest.mark.parametrize("where", ["data", "header"])
 def test_gpu_load_refuses_corrupt_data(models, mode, where):
     from csi_pmem.loader.gpu import GpuLoader
+    from csi_pmem.loader.model import open_model
 
     vol = lm.staged_volume(models / "np", models / "v")
     with open_volume(vol) as v:
-        f = read_index(v).models[0].files[0]
+        view = open_model(v)
+        f = view.model.files[0]
+        data_start = view.headers[f.name].data_start
     with open(vol, "r+b") as fh:
-        # The last tensor bytes are checked on the device, the header from the mapping.
-        fh.seek(f.offset + f.length - 3 if where == "data" else f.offset + 9)
-        b = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([b[0] ^ 0x10]))
+        # The last tensor bytes are checked on the device, the header from the mapping:
+        # its last byte is JSON padding, so a tab there still parses.
+        if where == "data":
+            fh.seek(f.offset + f.length - 3)
+            b = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([b[0] ^ 0x10]))
+        else:
+            fh.seek(data_start - 1)
+            assert fh.read(1) == b" "
+            fh.seek(-1, 1)
+            fh.write(b"\t")
     with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=2, mode=mode) as loader, \
             pytest.raises(ChecksumError, match="wsum64"):
         load_safetensors(str(vol), "cuda:0", loader=loader)

@@ -74,3 +74,12 @@ app.kubernetes.io/part-of: csi-pmem
 {{- end -}}
 {{- join "," $parts -}}
 {{- end -}}
+
+{{/* The GPU copy service's image: the driver's (tag included) unless it names its own. */}}
+{{- define "csi-pmem.gpuCopyImage" -}}
+{{- if .Values.gpuCopy.image.repository -}}
+{{- include "csi-pmem.image" (list .Values.gpuCopy.image .) -}}
+{{- else -}}
+{{- include "csi-pmem.image" (list .Values.driver.image .) -}}
+{{- end -}}
+{{- end -}}
