@@ -149,7 +149,10 @@ def ours(node: bool = False, **kw: Any) -> Method:
     """csi_pmem.loader.load_safetensors(volume, device=..., **kw), as a pod calls it;
     ``node``: from a published directory whose gpu.sock reaches the copy service."""
     def setup(ctx: Ctx) -> None:
-        import csi_pmem.loader  # noqa: F401
+        import csi_pmem.loader.gpu  # noqa: F401  (as peers import theirs before the clock)
+
+        if node:
+            import cuda.bindings.driver  # noqa: F401  (what the node path calls)
 
     def run(ctx: Ctx) -> dict[str, Any]:
         from csi_pmem.loader import load_safetensors

@@ -81,10 +81,34 @@ def test_a_tmpfs_or_plain_file_may_be_registered(shm):
         assert v.registration_refused_reason is None
         # Today's behaviour is kept: registered on demand, or from the second load.
         assert choose_path(REGISTERED, v, 1, False, 2) == (REGISTERED, None)
+        # A first load: 4 KiB pages go through bounce buffers, large ones register
+        # piece by piece (hybrid).
+        assert choose_path(AUTO, v, 1, False, 2) == (
+            HYBRID if v.large_pages else BOUNCE, None)
+        v.large_pages = True
         assert choose_path(AUTO, v, 1, False, 2) == (HYBRID, None)
         assert choose_path(AUTO, v, 2, False, 2) == (REGISTERED, None)
         assert choose_path(AUTO, v, 5, False, None) == (BOUNCE, None)
         assert choose_path(BOUNCE, v, 5, True, 2) == (BOUNCE, None)
+
+
+@pytest.mark.parametrize(("fstype", "options", "large"), [
+    ("tmpfs", "rw,huge=always", True), ("tmpfs", "rw,huge=within_size", True),
+    ("tmpfs", "rw,size=1g", False), ("hugetlbfs", "rw,pagesize=2M", True),
+    ("ext4", "rw,dax=always", False)])
+def test_large_page_mappings_are_recognised(shm, tmp_path, fstype, options, large):
+    from csi_pmem.loader.volume import large_pages
+    from csi_pmem.mountinfo import MountInfo
+
+    vol = lm.volume_file(shm / "vol", 4 * MiB)
+    st = os.stat(vol)
+    mounts = [MountInfo(str(shm), fstype, "none", frozenset(options.split(",")),
+                        dev=f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")]
+    fd = os.open(vol, os.O_RDONLY)
+    try:
+        assert large_pages(fd, str(vol), mounts=mounts) is large
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("options", ["rw,dax=always", "rw,dax", "rw,relatime,dax=always"])

@@ -124,3 +124,20 @@ def test_an_index_entry_without_algo_is_sha256():
     doc["algo"] = "wsum64"
     with pytest.raises(LayoutError, match="malformed checksums"):
         layout._model_from(doc)  # 64 hex digits are not a wsum64 checksum
+
+
+def test_chunks_become_checkable_as_their_bytes_land():
+    from csi_pmem.loader import checksum
+    from csi_pmem.loader.gpuverify import FilePlan, _FileProgress
+    from csi_pmem.loader.layout import FileEntry
+
+    size = 8 * wsum.ROW  # chunk size of the plan; the file: 4.5 chunks, 100-byte header
+    entry = FileEntry("f.safetensors", 1 << 20, 4 * size + size // 2, "safetensors")
+    model = layout.ModelEntry("m", "", "committed", [entry], chunk_size=size)
+    plan = FilePlan(entry, entry.offset + 104, size, checksum.model_chunks(model, [entry]))
+    p = _FileProgress(plan)
+    assert p.add(3 * size, 4 * size) == [3]          # a tensor in the middle
+    assert p.add(104, size - 8) == []                # chunk 0 still misses 8 bytes
+    assert p.add(size - 8, 2 * size) == [0, 1]       # header + data: chunks 0 and 1
+    assert p.add(4 * size, entry.length) == [4]      # the short last chunk
+    assert p.add(2 * size, 3 * size) == [2] and not p.unchecked

@@ -15,10 +15,9 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-Progress = Callable[[int], None]
 HostCopy = tuple[int, int, int]  # (host address, offset in the target, bytes)
 
 
@@ -49,9 +48,13 @@ class Copier(Protocol):
         CopyError when the fd is not one, the allocation is smaller than ``size`` or
         lives on another GPU than ``gpu``. Does not take ownership of ``fd``."""
 
-    def copy(self, target: Target, copies: Sequence[HostCopy], progress: Progress) -> None:
-        """Queue every copy, call ``progress(k)`` as the first k have landed (in
-        order), return once all have; raises CopyError."""
+    def enqueue(self, target: Target, copies: Sequence[HostCopy]) -> list[Any]:
+        """Queue the copies into ``target`` without waiting; one token per copy, for
+        :meth:`wait`. Raises CopyError."""
+
+    def wait(self, token: Any) -> None:
+        """Block until the copy of ``token`` (and every one queued before it into the
+        same target) has landed; raises CopyError."""
 
 
 FAKE_GPU = "GPU-00000000-0000-0000-0000-00000000fa4e"
@@ -110,11 +113,15 @@ class FakeCopier:
                             f"{size} bytes the request names")
         return FakeTarget(fd, size, gpu)
 
-    def copy(self, target: FakeTarget, copies: Sequence[HostCopy], progress: Progress) -> None:
-        for i, (src, dst, n) in enumerate(copies):
+    def enqueue(self, target: FakeTarget, copies: Sequence[HostCopy]) -> list[Any]:
+        for i, (_, dst, n) in enumerate(copies):
             if dst + n > target.size:
                 raise CopyError(f"copy #{i} ends past the allocation")
-            if self.delay:
-                time.sleep(self.delay)
-            ctypes.memmove(target.address + dst, src, n)
-            progress(i + 1)
+        # Like a copy engine, the bytes move later: when waited for.
+        return [(target, c) for c in copies]
+
+    def wait(self, token: Any) -> None:
+        target, (src, dst, n) = token
+        if self.delay:
+            time.sleep(self.delay)
+        ctypes.memmove(target.address + dst, src, n)

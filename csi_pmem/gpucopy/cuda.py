@@ -7,7 +7,8 @@ POSIX fd (``cuMemImportFromShareableHandle``), map it into this process
 (``cuMemAddressReserve`` + ``cuMemMap`` + ``cuMemSetAccess``; mapping fails when the
 allocation is smaller than announced, which is the size check), and
 ``cuMemcpyHtoDAsync`` on a stream of the allocation's own GPU, with an event after each
-copy so progress is reported in order as the copy engine finishes.
+copy so progress is reported in order as the copy engine finishes. Copies are queued
+as requests arrive, so the next allocation's copies line up behind the current ones.
 
 The GPU a copy goes to is the one the allocation lives on
 (``cuMemGetAllocationPropertiesFromHandle``), checked against the UUID the pod named:
@@ -21,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from csi_pmem.gpucopy.copier import CopyError, HostCopy, Progress
+from csi_pmem.gpucopy.copier import CopyError, HostCopy
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class CudaTarget:
         cu = copier.cu
         self.gpu, self.size = gpu, size
         self._cu = cu
+        self._stream: Any = None
         self.handle = check(cu, cu.cuMemImportFromShareableHandle(
             fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
             "importing the allocation (cuMemImportFromShareableHandle)")
@@ -96,8 +98,20 @@ class CudaTarget:
     def address(self) -> int:
         return int(self.ptr)
 
+    def stream(self) -> Any:
+        """This target's copy stream (created on first use, on its GPU)."""
+        if self._stream is None:
+            cu = self._cu
+            self._stream = check(cu, cu.cuStreamCreate(
+                cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "creating a stream")
+        return self._stream
+
     def close(self) -> None:
         cu = self._cu
+        if self._stream is not None:
+            cu.cuStreamSynchronize(self._stream)  # nothing may still write the memory
+            cu.cuStreamDestroy(self._stream)
+            self._stream = None
         if self.ptr is not None:
             cu.cuMemUnmap(self.ptr, self.size)
             cu.cuMemAddressFree(self.ptr, self.size)
@@ -161,25 +175,25 @@ class CudaCopier:
                             f"{', '.join(self._uuids) or 'none'})")
         return CudaTarget(self, fd, size, gpu)
 
-    def copy(self, target: CudaTarget, copies: Sequence[HostCopy], progress: Progress) -> None:
+    def enqueue(self, target: CudaTarget, copies: Sequence[HostCopy]) -> list[Any]:
         cu = self.cu
         self.make_current(target.ordinal)
-        stream = check(cu, cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING),
-                       "creating a stream")
-        events: list[Any] = []
+        stream = target.stream()
+        base = target.address
+        tokens = []
+        for src, dst, n in copies:
+            check(cu, cu.cuMemcpyHtoDAsync(base + dst, src, n, stream), "cuMemcpyHtoDAsync")
+            ev = check(cu, cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                       "creating an event")
+            check(cu, cu.cuEventRecord(ev, stream), "recording an event")
+            tokens.append((target, ev))
+        return tokens
+
+    def wait(self, token: Any) -> None:
+        cu = self.cu
+        target, ev = token
+        self.make_current(target.ordinal)
         try:
-            base = target.address
-            for src, dst, n in copies:
-                check(cu, cu.cuMemcpyHtoDAsync(base + dst, src, n, stream), "cuMemcpyHtoDAsync")
-                ev = check(cu, cu.cuEventCreate(
-                    cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "creating an event")
-                check(cu, cu.cuEventRecord(ev, stream), "recording an event")
-                events.append(ev)
-            for i, ev in enumerate(events):
-                check(cu, cu.cuEventSynchronize(ev), "waiting for a copy")
-                progress(i + 1)
+            check(cu, cu.cuEventSynchronize(ev), "waiting for a copy")
         finally:
-            cu.cuStreamSynchronize(stream)
-            for ev in events:
-                cu.cuEventDestroy(ev)
-            cu.cuStreamDestroy(stream)
+            cu.cuEventDestroy(ev)

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import mmap
 import os
+import queue
 import socket
 import stat
 import threading
@@ -287,57 +288,96 @@ class CopyService:
     # -- one pod ----------------------------------------------------------------------
 
     def _client(self, state: VolumeState, sock: socket.socket) -> None:
+        """One pod: hello, then copy requests until it shuts its side down.
+
+        Each request carries one allocation (one fd). Its copies are queued as soon as
+        it arrives, behind the previous request's, so a pod can send its first, small
+        allocation at once and allocate the rest while the copy engine works. A waiter
+        thread reports ``{"done": k}`` (k counts copies over all requests, in order);
+        ``{"ok": true, ...}`` follows the last one.
+        """
         reader = protocol.Reader(sock)
-        target = None
+        send_lock = threading.Lock()
         done = [0, 0.0]
+        tokens: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        failure: list[BaseException] = []
+        targets: list[Any] = []
+        total = requests = 0
+
+        def send(doc: dict[str, Any]) -> None:
+            with send_lock:
+                protocol.send(sock, doc)
+
+        def waiter() -> None:
+            while (token := tokens.get()) is not None:
+                if failure:
+                    continue
+                try:
+                    self.copier.wait(token)
+                except CopyError as exc:
+                    failure.append(exc)
+                    continue
+                done[0] += 1
+                now = time.monotonic()
+                if now - done[1] >= PROGRESS_INTERVAL or tokens.empty():
+                    with contextlib.suppress(OSError):
+                        send({"done": done[0]})
+                    done[1] = now
+
+        wait_thread = threading.Thread(target=waiter, name="copy-wait", daemon=True)
+        started = time.monotonic()
         try:
             sock.settimeout(self.client_timeout)
-            protocol.send(sock, {"service": protocol.SERVICE, "protocol": protocol.PROTOCOL,
-                                 "volume_id": state.id, "gpus": self.copier.gpus(),
-                                 "registered_bytes": state.registered_bytes})
-            doc = reader.read()
-            if doc is None:
-                return
-            fds = reader.take_fds()
-            try:
-                if len(fds) != 1:
-                    raise protocol.ProtocolError(
-                        f"a copy request carries exactly one fd (the exported allocation), "
-                        f"not {len(fds)}")
-                request = protocol.parse_copy_request(doc, state.size)
-                state.refresh()
-                started = time.monotonic()
-                with state.in_use():
-                    target = self.copier.open_target(fds[0], request.size, request.gpu)
-
-                    def progress(k: int) -> None:
-                        now = time.monotonic()
-                        if k == len(request.copies) or now - done[1] >= PROGRESS_INTERVAL:
-                            protocol.send(sock, {"done": k})
-                            done[1] = now
-                        done[0] = k
-
-                    self.copier.copy(target, state.host_copies(request), progress)
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            send({"service": protocol.SERVICE, "protocol": protocol.PROTOCOL,
+                  "volume_id": state.id, "gpus": self.copier.gpus(),
+                  "registered_bytes": state.registered_bytes})
+            with state.in_use():
+                wait_thread.start()
+                while not failure and (doc := reader.read()) is not None:
+                    fds = reader.take_fds()
+                    try:
+                        if len(fds) != 1:
+                            raise protocol.ProtocolError(
+                                f"a copy request carries exactly one fd (the exported "
+                                f"allocation), not {len(fds)}")
+                        request = protocol.parse_copy_request(doc, state.size)
+                        if not requests:
+                            state.refresh()  # a model staged since the last poll
+                            started = time.monotonic()
+                        target = self.copier.open_target(fds[0], request.size, request.gpu)
+                        targets.append(target)
+                        for token in self.copier.enqueue(target, state.host_copies(request)):
+                            tokens.put(token)
+                    finally:
+                        for fd in fds:
+                            os.close(fd)
+                    requests += 1
+                    total += request.nbytes
+                tokens.put(None)
+                wait_thread.join()
+                if failure:
+                    raise failure[0]
             seconds = time.monotonic() - started
-            protocol.send(sock, {"ok": True, "bytes": request.nbytes, "seconds": seconds,
-                                 "registered_bytes": state.registered_bytes})
+            send({"ok": True, "bytes": total, "requests": requests, "seconds": seconds,
+                  "registered_bytes": state.registered_bytes})
             self.served += 1
-            log.info("volume %s: copied %.2f GB to %s in %.3f s (%.1f GB/s)", state.id,
-                     request.nbytes / 1e9, request.gpu, seconds,
-                     request.nbytes / 1e9 / max(seconds, 1e-9))
+            log.info("volume %s: copied %.2f GB in %d request(s) in %.3f s (%.1f GB/s)",
+                     state.id, total / 1e9, requests, seconds,
+                     total / 1e9 / max(seconds, 1e-9))
         except (protocol.ProtocolError, CopyError) as exc:
             self.failed += 1
             log.warning("volume %s: copy refused: %s", state.id, exc)
             with contextlib.suppress(OSError, protocol.ProtocolError):
-                protocol.send(sock, {"error": str(exc), "done": done[0]})
+                send({"error": str(exc), "done": done[0]})
         except OSError as exc:  # the pod went away or stalled
             self.failed += 1
             log.warning("volume %s: client connection failed: %s", state.id, exc)
         finally:
-            if target is not None:
+            if wait_thread.is_alive():
+                failure.append(CopyError("connection closed"))
+                tokens.put(None)
+                wait_thread.join()
+            for target in targets:
                 target.close()
             reader.close_fds()
             sock.close()

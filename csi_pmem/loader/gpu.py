@@ -35,7 +35,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +50,6 @@ from csi_pmem.loader.pipeline import BouncePipeline
 from csi_pmem.loader.registered import (
     DIRECT_CHUNK,
     HOST_REGISTER_PORTABLE,
-    REGISTER_STEP,
     Registration,
     RegistrationError,
     copy_direct,
@@ -66,13 +65,19 @@ REGISTERED = "registered"
 HYBRID = "hybrid"
 NODE = "node"  # the node's GPU copy service did the copies (csi_pmem.gpucopy)
 POPULATE_SLICE = 64 * MiB  # one madvise(MADV_POPULATE_*) call of the hybrid's prefault
+# Registration piece of this loader (hybrid and registered loads alike, since CUDA
+# refuses to register a range twice): 256 MiB let the first copies start after a few
+# ms and moved 13 GB fastest in a fresh process on 2 MiB pages (H200 host, 32 MiB to
+# 4 GiB tried).
+HYBRID_STEP = 256 * MiB
 AUTO = "auto"
 
 TensorDone = Callable[[str, Any], None]
 FileDone = Callable[[str, dict[str, Any]], None]
-# (file, its device buffer, the buffer offset of its first tensor byte): for checks
-# that read the file's bytes on the device once they are all there.
-FileData = Callable[[str, Any, int], None]
+# (file, its device buffer, the buffer offset of its first tensor byte, and the volume
+# byte range [start, end) of a tensor now on the device): for checks that read the
+# bytes on the device as they land.
+FileData = Callable[[str, Any, int, int, int], None]
 
 
 def _torch() -> Any:
@@ -251,9 +256,12 @@ def choose_path(mode: str, volume: Volume, loads: int, registered: bool,
     if mode == REGISTERED or registered or (
             auto_register_after is not None and loads >= auto_register_after):
         return REGISTERED, None
-    # auto, a mapping not (yet) worth registering whole: register what the copy engine
-    # can use while bounce buffers move the rest; None means never register.
-    return (BOUNCE if auto_register_after is None else HYBRID), None
+    # auto, a mapping not (yet) worth registering whole. Large pages (devdax, huge
+    # tmpfs, hugetlbfs) pin fast: register piece by piece as the copies go (hybrid).
+    # 4 KiB pages pin at 0.06-0.1 s/GB, slower than bounce buffers move them.
+    if auto_register_after is None or not getattr(volume, "large_pages", False):
+        return BOUNCE, None
+    return HYBRID, None
 
 
 def _unfinished(targets: list[FileTarget]) -> list[FileTarget]:
@@ -287,6 +295,9 @@ def allocate(targets: list[FileTarget], device: Any, arena: Any = None) -> None:
     the simpler single allocation stays. Tensors are views into it: the memory is
     returned when the last tensor of the load is freed.
     """
+    targets = [t for t in targets if t.buffer is None]  # the node path may have some
+    if not targets:
+        return
     torch = _torch()
     bases, total = [], 0
     for t in targets:
@@ -339,16 +350,18 @@ def _close_at_exit() -> None:
 class GpuLoader:
     """Loads onto one CUDA device; keep it: buffers, threads and registrations persist.
 
-    Defaults come from an H200 host (16 cores): 12 memcpy threads and 24 x 16 MiB
-    pinned buffers gave the best bounce throughput (see docs/loader-benchmark.md).
+    Defaults come from fresh processes on an H200 host (16 cores): 16 memcpy threads
+    and 16 x 32 MiB pinned buffers moved a 4 KiB-page mapping fastest (27 GB/s against
+    16 GB/s for 12 x 24 x 16 MiB), registration in 256 MiB pieces without bounce
+    buffers a 2 MiB-page one (33 GB/s); docs/loader-benchmark.md has the runs.
     ``last_path`` is the path of the last load; ``registration_refused_reason`` says why
     that load could not use a registered mapping (None when it could).
     """
 
-    def __init__(self, device: str | Any = "cuda", *, buffers: int = 24,
-                 buffer_size: int = 16 * MiB, threads: int = 12, mode: str = AUTO,
+    def __init__(self, device: str | Any = "cuda", *, buffers: int = 16,
+                 buffer_size: int = 32 * MiB, threads: int = 16, mode: str = AUTO,
                  auto_register_after: int | None = 2, node_copy: bool = True,
-                 register_step: int = REGISTER_STEP, hybrid_bounce: bool = True):
+                 register_step: int = HYBRID_STEP, hybrid_bounce: bool = False):
         torch = _torch()
         if mode not in (AUTO, BOUNCE, REGISTERED, HYBRID):
             raise ValueError(f"mode must be {AUTO}, {BOUNCE}, {REGISTERED} or {HYBRID}")
@@ -521,7 +534,7 @@ class GpuLoader:
              on_tensor: TensorDone, on_file: FileDone,
              on_data: FileData | None = None) -> str:
         """Copy ``selection`` to the device; callbacks fire as tensors and files land
-        (``on_data`` right after a file's ``on_file``).
+        (``on_data`` right after each ``on_tensor``).
 
         Returns the path used: ``"bounce"``, ``"registered"`` or ``"hybrid"``.
         """
@@ -536,11 +549,13 @@ class GpuLoader:
 
             def finish(target: FileTarget, name: str) -> None:
                 on_tensor(name, target.finish(name))
+                if on_data is not None:
+                    info = target.infos[name]
+                    on_data(target.name, target.buffer, target.first_dst, info.offset,
+                            info.offset + info.nbytes)
                 left[target.name] -= 1
                 if left[target.name] == 0:
                     on_file(target.name, dict(target.tensors))
-                    if on_data is not None and target.placements:
-                        on_data(target.name, target.buffer, target.first_dst)
 
             node = nodecopy.service_socket(view.volume) if self.node_copy else None
             if node is not None:
@@ -598,9 +613,15 @@ class GpuLoader:
     def _load_node(self, view: ModelView, targets: list[FileTarget],
                    finish: Callable[[FileTarget, str], None],
                    socket_path: str) -> list[FileTarget] | None:
-        """Have the node's copy service fill a fresh exportable allocation. Returns None
-        when it did, else the targets (buffers attached, finished tensors left out) that
-        still need copying in-pod; says why once per socket."""
+        """Have the node's copy service fill exportable allocations, one per file.
+        Returns None when it did, else the targets (finished tensors left out) that
+        still need copying in-pod; says why once per socket.
+
+        One allocation per file, each sent as soon as it exists: the first copies start
+        after one file's allocation (a few ms for 13 GB of ``cuMemCreate`` would
+        otherwise come before the first byte moves) and the rest are allocated while
+        the copy engine works.
+        """
         torch = _torch()
         t0 = time.monotonic()
         try:
@@ -608,57 +629,59 @@ class GpuLoader:
         except nodecopy.NodeCopyError as exc:
             self._node_fallback(socket_path, exc)
             return targets
-        try:
-            try:
-                alloc = nodecopy.ExportableAllocation(
-                    self.device.index, load_bytes(t.size for t in targets))
-            except Exception as exc:  # no cuda-python, an allocation error
-                raise nodecopy.NodeCopyError(
-                    f"cannot allocate exportable device memory ({exc}); install "
-                    "cuda-bindings in the pod to use the node's GPU copy service") from exc
-            whole = torch.as_tensor(alloc, device=self.device)  # keeps alloc alive
-            allocate(targets, self.device, whole)
-            if alloc.uuid not in session.gpus:
-                raise nodecopy.NodeCopyError(
-                    f"the node's GPU copy service cannot reach {alloc.uuid} (it sees "
-                    f"{', '.join(session.gpus) or 'no GPU'})")
-            chunks: list[planning.Chunk] = []
-            completions = []
+        chunks: list[planning.Chunk] = []
+        completions = []
+        for i, target in enumerate(targets):
+            file_chunks = planning.direct_chunks(target.placements, DIRECT_CHUNK, [], i,
+                                                 len(chunks))
+            completions.append(planning.Completion(target.placements, file_chunks))
+            chunks += file_chunks
+        by_target: list[list[planning.Chunk]] = [[] for _ in targets]
+        for c in chunks:
+            by_target[c.target].append(c)
+        order = [c for cs in by_target for c in cs]  # the order the service reports
+        reported = [0]
+        fds: list[int] = []
+
+        def requests() -> Iterator[tuple[int, protocol.CopyRequest]]:
             for i, target in enumerate(targets):
-                file_chunks = planning.direct_chunks(target.placements, DIRECT_CHUNK, [], i,
-                                                     len(chunks))
-                completions.append(planning.Completion(target.placements, file_chunks))
-                chunks += file_chunks
-            for target, completion in zip(targets, completions, strict=True):
-                for name in completion.ready:
+                try:
+                    alloc = nodecopy.ExportableAllocation(self.device.index, target.size)
+                except Exception as exc:  # no cuda-python, an allocation error
+                    raise nodecopy.NodeCopyError(
+                        f"cannot allocate exportable device memory ({exc}); install "
+                        "cuda-bindings in the pod to use the node's GPU copy service") \
+                        from exc
+                if alloc.uuid not in session.gpus:
+                    raise nodecopy.NodeCopyError(
+                        f"the node's GPU copy service cannot reach {alloc.uuid} (it sees "
+                        f"{', '.join(session.gpus) or 'no GPU'})")
+                # The tensors keep the allocation alive from now on.
+                target.attach(torch.as_tensor(alloc, device=self.device)[:target.size])
+                for name in completions[i].ready:
                     finish(target, name)
-            offsets = [t.buffer.data_ptr() - whole.data_ptr() for t in targets]
-            request = protocol.CopyRequest(alloc.uuid, alloc.size, tuple(
-                protocol.Copy(c.pieces[0].src, offsets[c.target] + c.dst, c.nbytes)
-                for c in chunks))
-            reported = [0]
+                fds.append(alloc.export_fd())
+                yield fds[-1], protocol.CopyRequest(alloc.uuid, alloc.size, tuple(
+                    protocol.Copy(c.pieces[0].src, c.dst, c.nbytes) for c in by_target[i]))
 
-            def progress(k: int) -> None:
-                for c in chunks[reported[0]:k]:
-                    for name in completions[c.target].done(c):
-                        finish(targets[c.target], name)
-                reported[0] = k
+        def progress(k: int) -> None:
+            for c in order[reported[0]:k]:
+                for name in completions[c.target].done(c):
+                    finish(targets[c.target], name)
+            reported[0] = k
 
-            fd = alloc.export_fd()
-            t1 = time.monotonic()
-            del alloc
-            try:
-                report = session.copy(fd, request, progress)
-            finally:
-                os.close(fd)
-            log.debug("node copy: %.1f ms to connect, allocate and export, %.1f ms until "
-                      "done (service: %.1f ms copying)", (t1 - t0) * 1e3,
-                      (time.monotonic() - t1) * 1e3, float(report.get("seconds", 0)) * 1e3)
+        try:
+            report = session.copy(requests(), progress)
+            log.debug("node copy: %d request(s), %.1f ms in all (the service: %.1f ms)",
+                      len(fds), (time.monotonic() - t0) * 1e3,
+                      float(report.get("seconds", 0)) * 1e3)
         except nodecopy.NodeCopyError as exc:
             self._node_fallback(socket_path, exc)
             return _unfinished(targets)
         finally:
             session.close()
+            for fd in fds:
+                os.close(fd)
         self.node_copy_refused = None
         return None
 

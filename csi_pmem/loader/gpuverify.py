@@ -9,7 +9,8 @@ offset's alignment), so each ``wsum64`` chunk is summed there in one batched red
 the few bytes a chunk has before the tensor data (the safetensors header, which the
 loader parsed from the mapping) are summed from the mapping, and the two parts combined
 (:func:`.wsum.shift`). Each file is checked as soon as it is complete, on a stream of
-its own, while later files still copy, so only the last file's check adds to the load.
+its own, chunk by chunk as their tensors land, so only the last chunks' check adds to
+the load.
 
 What cannot be checked on the device goes to the host check (:func:`device_plan`
 returns None): a subset of a file's tensors (tensor parallelism: the chunks also hold
@@ -66,26 +67,33 @@ def device_plan(view: ModelView, fname: str, tensors: list[TensorInfo]) -> FileP
                     checksum.model_chunks(model, [entry]))
 
 
-def check_on_device(view: ModelView, plan: FilePlan, buffer: Any,
-                    first_dst: int) -> list[checksum.Mismatch]:
-    """Sum ``plan``'s chunks; ``buffer`` is the file's device buffer, whose byte
-    ``first_dst`` holds the volume byte ``plan.data_start``. Returns the mismatches."""
+def check_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
+                 indices: list[int]) -> list[checksum.Mismatch]:
+    """Sum the chunks ``indices`` of ``plan``'s file; ``buffer`` is the file's device
+    buffer, whose byte ``first_dst`` holds the volume byte ``plan.data_start``. Returns
+    the mismatches."""
     entry, ds, size = plan.entry, plan.data_start - plan.entry.offset, plan.chunk_size
 
     def dev(rel_start: int, rel_end: int) -> Any:
         return buffer[first_dst + rel_start - ds:first_dst + rel_end - ds]
 
-    got: dict[int, tuple[int, int]] = {}
     ranges = chunk_ranges(entry.length, size)
-    full = [i for i, (off, n) in enumerate(ranges) if off >= ds and n == size]
-    if full:
-        a, b = full[0], full[-1] + 1  # full chunks past the header are contiguous
-        sums = wsum.device_chunk_sums(dev(ranges[a][0], ranges[b - 1][0] + size),
-                                      size)
-        got.update(zip(range(a, b), sums, strict=True))
-    for i, (off, n) in enumerate(ranges):
+    got: dict[int, tuple[int, int]] = {}
+    # Runs of consecutive whole chunks past the header: one batched reduction each.
+    full = sorted(i for i in indices if ranges[i][0] >= ds and ranges[i][1] == size)
+    run: list[int] = []
+    for i in [*full, None]:
+        if run and (i is None or i != run[-1] + 1):
+            sums = wsum.device_chunk_sums(dev(ranges[run[0]][0], ranges[run[-1]][0] + size),
+                                          size)
+            got.update(zip(run, sums, strict=True))
+            run = []
+        if i is not None:
+            run.append(i)
+    for i in indices:
         if i in got:
             continue
+        off, n = ranges[i]
         parts = []
         if off < ds:  # the header: from the mapping the loader parsed it from
             head = min(off + n, ds)
@@ -97,18 +105,50 @@ def check_on_device(view: ModelView, plan: FilePlan, buffer: Any,
         got[i] = wsum.combine(*parts)
     out = []
     for chunk in plan.chunks:
-        digest = wsum.fmt(*got[chunk.index])
-        if digest != chunk.expected:
-            out.append(checksum.Mismatch(chunk, digest))
+        if chunk.index in got:
+            digest = wsum.fmt(*got[chunk.index])
+            if digest != chunk.expected:
+                out.append(checksum.Mismatch(chunk, digest))
     return out
 
 
-class DeviceVerifier:
-    """Checks files on the device as the load reports them complete.
+class _FileProgress:
+    """Which bytes of one file are on the device, and which chunks are still unchecked."""
 
-    ``submit(fname, buffer, first_dst)`` queues one file (called from the load thread
-    right after the file's future resolved); ``done`` fires once with every mismatch,
-    or with the exception that stopped the check, after the last expected file.
+    def __init__(self, plan: FilePlan):
+        self.plan = plan
+        rel_ds = plan.data_start - plan.entry.offset
+        self.covered: list[list[int]] = [[0, rel_ds]]  # the header counts as there
+        self.unchecked = {c.index for c in plan.chunks}
+        self.ranges = chunk_ranges(plan.entry.length, plan.chunk_size)
+
+    def add(self, start: int, end: int) -> list[int]:
+        """Record [start, end) (file-relative) as landed; the chunks now complete."""
+        merged: list[list[int]] = []
+        for a, b in sorted([*self.covered, [start, end]]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.covered = merged
+        ready = []
+        for i in sorted(self.unchecked):
+            off, n = self.ranges[i]
+            if any(a <= off and off + n <= b for a, b in merged):
+                ready.append(i)
+        self.unchecked.difference_update(ready)
+        return ready
+
+
+class DeviceVerifier:
+    """Checks chunks on the device as the load reports their tensors landed.
+
+    ``submit(fname, buffer, first_dst, start, end)`` says that the volume bytes
+    [start, end) of ``fname`` are on the device (called right after each tensor's
+    future resolved); every chunk that is then complete is queued, so checking runs
+    beside the copies and only the last chunks' check is left when the copy ends.
+    ``done`` fires once with every mismatch, or with the exception that stopped the
+    check, after the last chunk.
     """
 
     def __init__(self, view: ModelView, plans: dict[str, FilePlan], device: Any,
@@ -118,23 +158,27 @@ class DeviceVerifier:
         self.view, self.plans, self.device = view, plans, device
         self._done = done
         self._left = set(plans)
+        self._progress = {f: _FileProgress(p) for f, p in plans.items()}
         self._bad: list[checksum.Mismatch] = []
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(device=device)
-        self._queue: list[tuple[str, Any, int]] = []
+        self._queue: list[tuple[str, Any, int, list[int]]] = []
         self._wake = threading.Condition(self._lock)
         if plans:
             threading.Thread(target=self._run, name="verify-gpu", daemon=True).start()
         else:
             self._finish()
 
-    def submit(self, fname: str, buffer: Any, first_dst: int) -> None:
+    def submit(self, fname: str, buffer: Any, first_dst: int, start: int, end: int) -> None:
         if fname not in self.plans:
             return
+        offset = self.plans[fname].entry.offset
         with self._wake:
-            self._queue.append((fname, buffer, first_dst))
-            self._wake.notify()
+            ready = self._progress[fname].add(start - offset, end - offset)
+            if ready:
+                self._queue.append((fname, buffer, first_dst, ready))
+                self._wake.notify()
 
     def fail(self, exc: BaseException) -> None:
         """The load failed: stop waiting for files that will not come."""
@@ -153,10 +197,11 @@ class DeviceVerifier:
                     self._wake.wait()
                 if not self._queue:
                     break
-                fname, buffer, first_dst = self._queue.pop(0)
+                fname, buffer, first_dst, ready = self._queue.pop(0)
             try:
                 with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                    bad = check_on_device(self.view, self.plans[fname], buffer, first_dst)
+                    bad = check_chunks(self.view, self.plans[fname], buffer, first_dst,
+                                       ready)
             except BaseException as exc:  # a device error: the check did not happen
                 log.error("checking %s on the device failed: %s", fname, exc)
                 bad, exc_ = [], exc
@@ -167,8 +212,9 @@ class DeviceVerifier:
                 self._bad += bad
                 if exc_ is not None and self._error is None:
                     self._error = exc_
-                self._left.discard(fname)
-                last = not self._left
+                if not self._progress[fname].unchecked:
+                    self._left.discard(fname)
+                last = not self._left and not self._queue
             if last:
                 break
         self._finish()

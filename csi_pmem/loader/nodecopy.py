@@ -21,7 +21,7 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from csi_pmem.daxclient import unix_address
@@ -94,21 +94,26 @@ class Session:
             raise NodeCopyError(f"the GPU copy service refused: {doc['error']}", done)
         return doc
 
-    def copy(self, fd: int, request: protocol.CopyRequest,
+    def copy(self, requests: Iterable[tuple[int, protocol.CopyRequest]],
              on_progress: Callable[[int], None]) -> dict[str, Any]:
-        """Send the request with the allocation's fd; ``on_progress(k)`` as the first k
-        copies land; returns the service's final report."""
-        done = 0
+        """Send each (allocation fd, request) as ``requests`` yields it (a generator may
+        allocate the next one meanwhile: the service copies the ones already sent), then
+        report progress: ``on_progress(k)`` as the first k copies, counted over all
+        requests in order, have landed. Returns the service's final report."""
+        done = total = 0
         try:
-            protocol.send(self.sock, request.to_json(), [fd])
+            for fd, request in requests:
+                protocol.send(self.sock, request.to_json(), [fd])
+                total += len(request.copies)
+            self.sock.shutdown(socket.SHUT_WR)
             while True:
                 doc = self._read(done)
                 if doc.get("ok"):
-                    if done < len(request.copies):
-                        on_progress(len(request.copies))
+                    if done < total:
+                        on_progress(total)
                     return doc
                 k = doc.get("done")
-                if isinstance(k, int) and done < k <= len(request.copies):
+                if isinstance(k, int) and done < k <= total:
                     done = k
                     on_progress(k)
         except (OSError, protocol.ProtocolError) as exc:
@@ -130,7 +135,8 @@ def request_copies(path: str, fd: int, gpu: str, size: int,
         if gpu not in session.gpus:
             raise NodeCopyError(f"the node's GPU copy service cannot reach {gpu} (it "
                                 f"sees {', '.join(session.gpus) or 'no GPU'})")
-        return session.copy(fd, protocol.CopyRequest(gpu, size, tuple(copies)), on_progress)
+        return session.copy([(fd, protocol.CopyRequest(gpu, size, tuple(copies)))],
+                            on_progress)
     finally:
         session.close()
 

@@ -129,7 +129,7 @@ class Volume:
                  registration_refused_reason: str | None = None,
                  image: str | None = None, fd: int | None = None,
                  persistence: persistence.Persistence = persistence.NONE,
-                 map_sync: bool = False):
+                 map_sync: bool = False, large_pages: bool = False):
         self.mapping: mmap.mmap | None = mapping
         self.size = size
         self.align = align
@@ -147,6 +147,9 @@ class Volume:
         # How stores become durable (persist.py); logged once per writable open.
         self.persistence = persistence
         self._map_sync = map_sync
+        # Backed by 2 MiB or larger pages (devdax, hugetlbfs, huge tmpfs): see
+        # large_pages(); the GPU loader picks its first-load path by it.
+        self.large_pages = large_pages
 
     def __repr__(self) -> str:
         mode = "rw" if self.writable else "ro"
@@ -435,6 +438,37 @@ def _refusal(fd: int, path: str | None, dax: str | None) -> str | None:
         return None
     return (f"{name} is {dax}: the kernel refuses the long-term pins cudaHostRegister "
             "needs on fsdax files")
+
+
+# tmpfs mounted with these serves files from 2 MiB pages (transparent huge pages).
+HUGE_TMPFS_OPTIONS = frozenset({"huge=always", "huge=within_size"})
+
+
+def large_pages(fd: int, path: str | None = None, *,
+                mounts: Iterable[MountInfo] | None = None) -> bool:
+    """Whether a mapping of ``fd`` is backed by 2 MiB (or larger) pages: a devdax
+    device, or a file on hugetlbfs or on tmpfs mounted ``huge=always|within_size``.
+
+    Why it matters: the GPU loader's first load of such a mapping registers it piece by
+    piece (the driver pins large pages quickly), while a 4 KiB-page mapping pins so
+    slowly that bounce buffers move it faster.
+    """
+    st = os.fstat(fd)
+    if stat.S_ISCHR(st.st_mode):
+        return True
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    if mounts is None:
+        try:
+            mounts = mountinfo(MOUNTINFO)
+        except OSError:
+            return False
+    mount = mount_of(os.path.realpath(path) if path else None, mounts,
+                     f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    if mount is None:
+        return False
+    return mount.fstype == "hugetlbfs" or (
+        mount.fstype == "tmpfs" and bool(HUGE_TMPFS_OPTIONS & mount.options))
 
 
 def mapping_kind(fd: int, dax_reason: str | None) -> str:
@@ -729,6 +763,7 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
         dax = dax_file_reason(fd, trusted_path)  # one mountinfo read for both uses
         refused = _refusal(fd, trusted_path, dax)
         kind = mapping_kind(fd, dax)
+        huge = large_pages(fd, trusted_path)
         node = numa_node if numa_node is not None else meta.get("numa_node")
         node = int(node) if node is not None and int(node) >= 0 else None
         mapping, populated, synced = _map(fd, size, writable, prefault, image or path,
@@ -748,7 +783,7 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
     volume = Volume(mapping, size=size, align=align, numa_node=node, writable=writable,
                     source=image or path, metadata=meta, registration_refused_reason=refused,
                     image=image, fd=fd if keep_fd else None, persistence=durable,
-                    map_sync=synced)
+                    map_sync=synced, large_pages=huge)
     if prefault and not populated:
         volume.prefault()
     if writable:
