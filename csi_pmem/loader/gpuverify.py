@@ -33,6 +33,8 @@ from csi_pmem.loader.stformat import TensorInfo
 
 log = logging.getLogger(__name__)
 
+BATCH = 1 << 30  # bytes of complete chunks checked together (and a file's last ones)
+
 
 @dataclass(frozen=True)
 class FilePlan:
@@ -159,6 +161,7 @@ class DeviceVerifier:
         self._done = done
         self._left = set(plans)
         self._progress = {f: _FileProgress(p) for f, p in plans.items()}
+        self._pending: dict[str, list[int]] = {}
         self._bad: list[checksum.Mismatch] = []
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -175,9 +178,15 @@ class DeviceVerifier:
             return
         offset = self.plans[fname].entry.offset
         with self._wake:
-            ready = self._progress[fname].add(start - offset, end - offset)
-            if ready:
-                self._queue.append((fname, buffer, first_dst, ready))
+            progress = self._progress[fname]
+            pending = self._pending.setdefault(fname, [])
+            pending += progress.add(start - offset, end - offset)
+            # Coalesced: a few large batched reductions cost less GIL and fewer
+            # synchronisations than one per tensor, and the copy threads need both.
+            size = sum(progress.ranges[i][1] for i in pending)
+            if pending and (size >= BATCH or not progress.unchecked):
+                self._queue.append((fname, buffer, first_dst, sorted(pending)))
+                self._pending[fname] = []
                 self._wake.notify()
 
     def fail(self, exc: BaseException) -> None:
