@@ -62,7 +62,13 @@ def cpu_sums(data: Any) -> tuple[int, int]:
 
     numpy releases the GIL in these reductions, so chunks sum in parallel threads.
     """
-    import numpy as np
+    try:
+        import numpy as np
+    except ImportError:
+        from csi_pmem.loader.errors import LoaderError
+
+        raise LoaderError("wsum64 checksums need numpy: pip install 'csi-pmem[loader]'") \
+            from None
 
     view = memoryview(data).cast("B")
     n = len(view)
