@@ -420,6 +420,7 @@ class Driver:
         target = self.check_target(target)
         with self.inflight.hold(vid, "NodePublishVolume"):
             rec = self.get(vid)
+            self._check_single_writer(rec, target, readonly, access_mode)
             if rec.device_mode == FSDAX:
                 if access is None:
                     raise InvalidArgument(
@@ -441,12 +442,6 @@ class Driver:
                 self._serve(rec, pub)  # idempotent; also heals a socket that went away
                 return
             self._check_target_free(vid, target, current)
-            if access_mode == "SINGLE_NODE_SINGLE_WRITER" and not readonly:
-                writers = [t for t, p in rec.publications.items() if not p.readonly and t != target]
-                if writers:
-                    raise FailedPrecondition(
-                        f"volume {vid} is SINGLE_NODE_SINGLE_WRITER and already published "
-                        f"writable at {writers[0]}")
             pub = Publication(target=target, readonly=readonly, state=PUBLISHING,
                               pod_uid=pod_uid, mount_group=mount_group, access_mode=access_mode)
             rec.publications[target] = pub
@@ -470,6 +465,19 @@ class Driver:
                 log.warning("%s is published without a pod UID: any process that can reach "
                             "%s gets the device (set podInfoOnMount: true on the CSIDriver)",
                             vid, target)
+
+    @staticmethod
+    def _check_single_writer(rec: VolumeRecord, target: str, readonly: bool,
+                             access_mode: str) -> None:
+        """SINGLE_NODE_SINGLE_WRITER: one writable publication per volume on the node, in
+        every device mode (a publication of the same target again is idempotent)."""
+        if access_mode != "SINGLE_NODE_SINGLE_WRITER" or readonly:
+            return
+        writers = [t for t, p in rec.publications.items() if not p.readonly and t != target]
+        if writers:
+            raise FailedPrecondition(
+                f"volume {rec.id} is SINGLE_NODE_SINGLE_WRITER and already published "
+                f"writable at {writers[0]}; unpublish it there first (or publish read-only)")
 
     def _check_target_free(self, vid: str, target: str, current: mounts.MountInfo | None) -> None:
         if current is not None:

@@ -104,6 +104,30 @@ def test_block_volume_is_a_device_the_pod_can_read_and_write(driver):
     assert loops_of(driver) == []
 
 
+@pytest.mark.parametrize("kind", ["block", "filesystem"])
+def test_single_node_single_writer_is_enforced_for_fsdax(driver, kind):
+    """One writable publication of a SINGLE_NODE_SINGLE_WRITER fsdax volume; a second
+    writable one is FAILED_PRECONDITION, a read-only one and a repeat are fine."""
+    single = Mode.SINGLE_NODE_SINGLE_WRITER
+    cap = block_cap(single) if kind == "block" else fs_cap(mode=single)
+    vid = driver.create(f"snsw-{kind}", params=FSDAX, caps=[cap]).volume.volume_id
+    staging = driver.staging(vid)
+    driver.stage(vid, staging, cap=cap)
+    target = (block_target if kind == "block" else lambda d, p: d.target(p))
+    first, second, reader = target(driver, "w1"), target(driver, "w2"), target(driver, "r")
+    driver.publish(vid, first, cap=cap, staging=staging)
+    driver.publish(vid, first, cap=cap, staging=staging)  # idempotent
+    assert code_of(driver.publish, vid, second, cap=cap, staging=staging) == \
+        grpc.StatusCode.FAILED_PRECONDITION
+    driver.publish(vid, reader, readonly=True, cap=cap, staging=staging)
+    for t in (first, reader):
+        driver.unpublish(vid, t)
+    driver.publish(vid, second, cap=cap, staging=staging)  # the writer is gone now
+    driver.unpublish(vid, second)
+    driver.unstage(vid, staging)
+    driver.delete(vid)
+
+
 def test_readonly_block_publication_refuses_writes(driver):
     vol = driver.create("ro-blk", params=FSDAX, caps=[block_cap()]).volume
     vid = vol.volume_id
