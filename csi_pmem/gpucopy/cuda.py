@@ -45,6 +45,15 @@ def check(cu: Any, result: Any, what: str) -> Any:
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
+def grant_access(cu: Any, ptr: Any, size: int, ordinal: int) -> None:
+    """Make a mapped VMM range readable and writable from GPU ``ordinal``."""
+    desc = cu.CUmemAccessDesc()
+    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = ordinal
+    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    check(cu, cu.cuMemSetAccess(ptr, size, [desc], 1), "granting access (cuMemSetAccess)")
+
+
 def uuid_text(raw: bytes) -> str:
     h = raw.hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
@@ -85,11 +94,7 @@ class CudaTarget:
                 self.ptr = None
                 raise CopyError(f"the allocation is smaller than the {size} bytes the "
                                 "request names") from None
-            desc = cu.CUmemAccessDesc()
-            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            desc.location.id = self.ordinal
-            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            check(cu, cu.cuMemSetAccess(self.ptr, size, [desc], 1), "granting access")
+            grant_access(cu, self.ptr, size, self.ordinal)
         except BaseException:
             self.close()
             raise

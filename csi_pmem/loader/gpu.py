@@ -50,10 +50,13 @@ from csi_pmem.loader.pipeline import BouncePipeline
 from csi_pmem.loader.registered import (
     DIRECT_CHUNK,
     HOST_REGISTER_PORTABLE,
+    Pending,
     Registration,
     RegistrationError,
     copy_direct,
+    queue_copies,
     register_pieces,
+    report_landed,
 )
 from csi_pmem.loader.stformat import TensorInfo
 from csi_pmem.loader.volume import MADV_POPULATE_WRITE, MiB, Volume, format_size
@@ -235,6 +238,37 @@ class FileTarget:
             stream.synchronize()
             self.tensors[name] = out
         return self.tensors[name]
+
+
+class _Plan:
+    """One load's transfers, cut by ``split``, and which tensors each completes.
+
+    Every path (bounce, registered, hybrid, node) plans the same way and differs only
+    in how it cuts runs into transfers; ``done`` may be called from several threads.
+    """
+
+    def __init__(self, targets: list[FileTarget],
+                 split: Callable[[list[planning.Placement], int, int], list[planning.Chunk]],
+                 finish: Callable[[FileTarget, str], None]):
+        self.targets, self._finish = targets, finish
+        self.chunks: list[planning.Chunk] = []
+        self.completions: list[planning.Completion] = []
+        for i, target in enumerate(targets):
+            file_chunks = split(target.placements, i, len(self.chunks))
+            self.completions.append(planning.Completion(target.placements, file_chunks))
+            self.chunks += file_chunks
+        self._lock = threading.Lock()
+
+    def ready(self, target: int | None = None) -> None:
+        """Finish the zero-byte tensors (of one target, or of all)."""
+        for i in range(len(self.targets)) if target is None else [target]:
+            for name in self.completions[i].ready:
+                self._finish(self.targets[i], name)
+
+    def done(self, chunk: planning.Chunk) -> None:
+        with self._lock:
+            for name in self.completions[chunk.target].done(chunk):
+                self._finish(self.targets[chunk.target], name)
 
 
 def choose_path(mode: str, volume: Volume, loads: int, registered: bool,
@@ -526,9 +560,12 @@ class GpuLoader:
             self._arena = arena
         return nbytes
 
-    def _take_arena(self) -> Any:
-        arena, self._arena = self._arena, None
-        return arena
+    def _allocate(self, targets: list[FileTarget]) -> None:
+        """Device memory for the targets that have none yet (the node path or a refused
+        registration may have attached it), from the reservation if there is one."""
+        if any(t.buffer is None for t in targets):
+            arena, self._arena = self._arena, None
+            allocate(targets, self.device, arena)
 
     def load(self, view: ModelView, selection: dict[str, list[TensorInfo]],
              on_tensor: TensorDone, on_file: FileDone,
@@ -583,30 +620,17 @@ class GpuLoader:
     def _load_bounce(self, view: ModelView, targets: list[FileTarget],
                      finish: Callable[[FileTarget, str], None]) -> None:
         torch = _torch()
-        if any(t.buffer is None for t in targets):  # else a refused registration did
-            allocate(targets, self.device, self._take_arena())
-        chunks: list[planning.Chunk] = []
-        completions = []
-        for i, target in enumerate(targets):
-            file_chunks = planning.bounce_chunks(target.placements, self.buffer_size, i,
-                                                 len(chunks))
-            completions.append(planning.Completion(target.placements, file_chunks))
-            chunks += file_chunks
-        for target, completion in zip(targets, completions, strict=True):
-            for name in completion.ready:
-                finish(target, name)
-
-        def on_done(chunk: planning.Chunk) -> None:
-            for name in completions[chunk.target].done(chunk):
-                finish(targets[chunk.target], name)
-
+        self._allocate(targets)
+        plan = _Plan(targets, lambda ps, i, seq: planning.bounce_chunks(
+            ps, self.buffer_size, i, seq), finish)
+        plan.ready()
         pipe = self._pipeline(view.volume.numa_node)
         assert self._backend is not None
         self._backend.targets = [t.buffer for t in targets]
         # The device buffers were allocated on the current stream; order ours after it.
         self._backend.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            pipe.run(chunks, view.volume.address, on_done)
+            pipe.run(plan.chunks, view.volume.address, plan.done)
         finally:
             self._backend.targets = []
 
@@ -629,15 +653,10 @@ class GpuLoader:
         except nodecopy.NodeCopyError as exc:
             self._node_fallback(socket_path, exc)
             return targets
-        chunks: list[planning.Chunk] = []
-        completions = []
-        for i, target in enumerate(targets):
-            file_chunks = planning.direct_chunks(target.placements, DIRECT_CHUNK, [], i,
-                                                 len(chunks))
-            completions.append(planning.Completion(target.placements, file_chunks))
-            chunks += file_chunks
+        plan = _Plan(targets, lambda ps, i, seq: planning.direct_chunks(
+            ps, DIRECT_CHUNK, [], i, seq), finish)
         by_target: list[list[planning.Chunk]] = [[] for _ in targets]
-        for c in chunks:
+        for c in plan.chunks:
             by_target[c.target].append(c)
         order = [c for cs in by_target for c in cs]  # the order the service reports
         reported = [0]
@@ -658,16 +677,14 @@ class GpuLoader:
                         f"{', '.join(session.gpus) or 'no GPU'})")
                 # The tensors keep the allocation alive from now on.
                 target.attach(torch.as_tensor(alloc, device=self.device)[:target.size])
-                for name in completions[i].ready:
-                    finish(target, name)
+                plan.ready(i)
                 fds.append(alloc.export_fd())
                 yield fds[-1], protocol.CopyRequest(alloc.uuid, alloc.size, tuple(
                     protocol.Copy(c.pieces[0].src, c.dst, c.nbytes) for c in by_target[i]))
 
         def progress(k: int) -> None:
             for c in order[reported[0]:k]:
-                for name in completions[c.target].done(c):
-                    finish(targets[c.target], name)
+                plan.done(c)
             reported[0] = k
 
         try:
@@ -698,34 +715,17 @@ class GpuLoader:
         the front side before it registered anything (the mapping is then treated as
         refused), else None."""
         torch = _torch()
-        registration = self._registration(view)
-        pieces = self._pieces(view, [t.name for t in targets])
-        edges = sorted({e for p in pieces for e in p})
-        if any(t.buffer is None for t in targets):  # else the node path attached them
-            allocate(targets, self.device, self._take_arena())
-        chunks: list[planning.Chunk] = []
-        completions = []
-        for i, target in enumerate(targets):
-            # One run of at most a bounce buffer each, never across a piece edge: every
-            # chunk suits both sides.
-            file_chunks = planning.direct_chunks(target.placements, self.buffer_size, edges,
-                                                 i, len(chunks))
-            completions.append(planning.Completion(target.placements, file_chunks))
-            chunks += file_chunks
-        for target, completion in zip(targets, completions, strict=True):
-            for name in completion.ready:
-                finish(target, name)
+        # One run of at most a bounce buffer each, never across a piece edge: every
+        # chunk suits both sides.
+        registration, pieces, plan = self._direct_plan(view, targets, finish,
+                                                       self.buffer_size)
+        plan.ready()
         starts = [p[0] for p in pieces]
         by_piece: list[list[planning.Chunk]] = [[] for _ in pieces]
-        for c in sorted(chunks, key=lambda c: c.pieces[0].src):
+        for c in sorted(plan.chunks, key=lambda c: c.pieces[0].src):
             by_piece[bisect.bisect_right(starts, c.pieces[0].src) - 1].append(c)
         sides = planning.MeetInTheMiddle(by_piece)
-        done_lock = threading.Lock()
-
-        def on_done(chunk: planning.Chunk) -> None:
-            with done_lock:
-                for name in completions[chunk.target].done(chunk):
-                    finish(targets[chunk.target], name)
+        on_done = plan.done
 
         alloc_stream = torch.cuda.current_stream(self.device)
         outcome: dict[str, BaseException] = {}
@@ -792,7 +792,7 @@ class GpuLoader:
         """The hybrid load's front side: wait until a piece is faulted in, register it,
         queue its copies, repeat."""
         torch = _torch()
-        pending: list[tuple[Any, planning.Chunk]] = []
+        pending: Pending = []
         try:
             torch.cuda.set_device(self.device)
             stream = torch.cuda.Stream(device=self.device)
@@ -809,44 +809,30 @@ class GpuLoader:
                         sides.give_back(i)
                         outcome["refused"] = exc
                         break
-                    for c in by_piece[i]:
-                        p = c.pieces[0]
-                        buffers[c.target][c.dst:c.dst + c.nbytes].copy_(
-                            src[p.src:p.src + p.nbytes], non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                        pending.append((event, c))
-                    while pending and pending[0][0].query():
-                        on_done(pending.pop(0)[1])
-            for event, c in pending:
-                event.synchronize()
-                on_done(c)
+                    queue_copies(by_piece[i], buffers, src, stream, pending)
+                    report_landed(pending, on_done)
+            report_landed(pending, on_done, wait=True)
         except BaseException as exc:  # relayed to the load thread, which raises it
             outcome["fatal"] = exc
 
-    def _load_registered(self, view: ModelView, targets: list[FileTarget],
-                         finish: Callable[[FileTarget, str], None]) -> None:
+    def _direct_plan(self, view: ModelView, targets: list[FileTarget],
+                     finish: Callable[[FileTarget, str], None], limit: int
+                     ) -> tuple[Registration, list[tuple[int, int]], _Plan]:
+        """The registration, its pieces and the transfers (at most ``limit`` bytes,
+        never across a piece edge) of a load straight from the mapping; device memory
+        allocated where the node path did not attach it."""
         registration = self._registration(view)
         pieces = self._pieces(view, [t.name for t in targets])
         edges = sorted({e for p in pieces for e in p})
-        if any(t.buffer is None for t in targets):  # else the node path attached them
-            allocate(targets, self.device, self._take_arena())
-        chunks: list[planning.Chunk] = []
-        completions = []
-        for i, target in enumerate(targets):
-            file_chunks = planning.direct_chunks(target.placements, DIRECT_CHUNK, edges, i,
-                                                 len(chunks))
-            completions.append(planning.Completion(target.placements, file_chunks))
-            chunks += file_chunks
+        self._allocate(targets)
+        return registration, pieces, _Plan(targets, lambda ps, i, seq: planning.direct_chunks(
+            ps, limit, edges, i, seq), finish)
 
-        def on_done(chunk: planning.Chunk) -> None:
-            for name in completions[chunk.target].done(chunk):
-                finish(targets[chunk.target], name)
-
+    def _load_registered(self, view: ModelView, targets: list[FileTarget],
+                         finish: Callable[[FileTarget, str], None]) -> None:
+        registration, pieces, plan = self._direct_plan(view, targets, finish, DIRECT_CHUNK)
         # Raises RegistrationError before any tensor is reported when the first piece
         # is refused, so the caller can still switch to bounce buffers.
-        copy_direct(registration, pieces, sorted(chunks, key=lambda c: c.pieces[0].src),
-                    [t.buffer for t in targets], self.device, on_done)
-        for target, completion in zip(targets, completions, strict=True):
-            for name in completion.ready:
-                finish(target, name)
+        copy_direct(registration, pieces, sorted(plan.chunks, key=lambda c: c.pieces[0].src),
+                    [t.buffer for t in targets], self.device, plan.done)
+        plan.ready()

@@ -147,7 +147,7 @@ class ExportableAllocation:
     interface (which keeps this object alive until the tensor is gone)."""
 
     def __init__(self, ordinal: int, nbytes: int):
-        from csi_pmem.gpucopy.cuda import check, driver, uuid_text
+        from csi_pmem.gpucopy.cuda import check, driver, grant_access, uuid_text
 
         cu = self._cu = driver()
         self._check = check
@@ -176,11 +176,7 @@ class ExportableAllocation:
             self.ptr = check(cu, cu.cuMemAddressReserve(self.size, gran, 0, 0),
                              "cuMemAddressReserve")
             check(cu, cu.cuMemMap(self.ptr, self.size, 0, self.handle, 0), "cuMemMap")
-            desc = cu.CUmemAccessDesc()
-            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            desc.location.id = ordinal
-            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            check(cu, cu.cuMemSetAccess(self.ptr, self.size, [desc], 1), "cuMemSetAccess")
+            grant_access(cu, self.ptr, self.size, ordinal)
         except BaseException:
             self.free()
             raise

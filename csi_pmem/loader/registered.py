@@ -131,7 +131,7 @@ def copy_direct(registration: Registration, pieces: list[tuple[int, int]],
     by_piece: dict[int, list[planning.Chunk]] = {}
     for c in chunks:
         by_piece.setdefault(bisect.bisect_right(starts, c.pieces[0].src) - 1, []).append(c)
-    pending: list[tuple[Any, planning.Chunk]] = []
+    pending: Pending = []
     src = registration.source
     with torch.cuda.device(device), torch.cuda.stream(stream):
         for i, (start, end) in enumerate(pieces):
@@ -144,16 +144,36 @@ def copy_direct(registration: Registration, pieces: list[tuple[int, int]],
                     raise
                 log.warning("%s; copying this %s from pageable memory (about 8 GB/s "
                             "instead of the link speed)", exc, format_size(end - start))
-            for c in by_piece[i]:
-                p = c.pieces[0]
-                targets[c.target][c.dst:c.dst + c.nbytes].copy_(src[p.src:p.src + p.nbytes],
-                                                                non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-                pending.append((event, c))
+            queue_copies(by_piece[i], targets, src, stream, pending)
             # Report what already landed without blocking the queueing.
-            while pending and pending[0][0].query():
-                on_done(pending.pop(0)[1])
-    for event, c in pending:
-        event.synchronize()
+            report_landed(pending, on_done)
+    report_landed(pending, on_done, wait=True)
+
+
+Pending = list[tuple[Any, planning.Chunk]]
+
+
+def queue_copies(chunks: list[planning.Chunk], targets: list[Any], src: Any, stream: Any,
+                 pending: Pending) -> None:
+    """Queue each chunk's copy from the registered mapping ``src`` (a CPU uint8 tensor
+    over it) on ``stream`` (current), with an event after each, onto ``pending``."""
+    import torch
+
+    for c in chunks:
+        p = c.pieces[0]
+        targets[c.target][c.dst:c.dst + c.nbytes].copy_(src[p.src:p.src + p.nbytes],
+                                                        non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+        pending.append((event, c))
+
+
+def report_landed(pending: Pending, on_done: Callable[[planning.Chunk], None], *,
+                  wait: bool = False) -> None:
+    """``on_done`` for the chunks at the head of ``pending`` that have landed (all of
+    them, waiting, with ``wait``), in queue order."""
+    while pending and (wait or pending[0][0].query()):
+        event, c = pending.pop(0)
+        if wait:
+            event.synchronize()
         on_done(c)
