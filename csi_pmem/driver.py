@@ -156,8 +156,6 @@ class Driver:
     # ------------------------------------------------------------------ create
     def create_volume(self, name: str, required: int, limit: int,
                       params: VolumeParams) -> VolumeRecord:
-        if not name:
-            raise InvalidArgument("volume name is required")
         if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise InvalidArgument(f"volume name is longer than {MAX_NAME_BYTES} bytes")
         request = self._request_size(required, limit)
@@ -278,8 +276,6 @@ class Driver:
 
     # ------------------------------------------------------------------ delete
     def delete_volume(self, vid: str) -> None:
-        if not vid:
-            raise InvalidArgument("volume_id is required")
         if not is_volume_id(vid):
             return  # not one of ours: nothing to delete (DeleteVolume is idempotent)
         with self.inflight.hold(vid, "DeleteVolume"):
@@ -375,8 +371,6 @@ class Driver:
     # ------------------------------------------------------------------ publish
     def check_target(self, target: str) -> str:
         """Refuse targets the driver does not manage; return the normalised path."""
-        if not target:
-            raise InvalidArgument("target_path is required")
         if "\x00" in target or not os.path.isabs(target) or os.path.normpath(target) != target \
                 or target == "/":
             raise InvalidArgument(
@@ -406,8 +400,6 @@ class Driver:
                 self.fsdax.stage(rec, path, access)
 
     def unstage(self, vid: str, path: str) -> None:
-        if not path:
-            raise InvalidArgument("staging_target_path is required")
         with self.inflight.hold(vid, "NodeUnstageVolume"):
             rec = self.get(vid)
             if rec.device_mode == FSDAX:
@@ -591,8 +583,6 @@ class Driver:
         self.store.put(rec)
 
     def unpublish(self, vid: str, target: str) -> None:
-        if not target:
-            raise InvalidArgument("target_path is required")
         with self.inflight.hold(vid, "NodeUnpublishVolume"):
             rec = self.get(vid)
             pub = rec.publications.get(target)

@@ -12,7 +12,7 @@ from csi_pmem.csi import csi_pb2, csi_pb2_grpc
 from csi_pmem.driver import Driver, describe, is_volume_id
 from csi_pmem.errors import Aborted, InvalidArgument, ResourceExhausted
 from csi_pmem.servicers.capabilities import problem, require_valid
-from csi_pmem.servicers.rpc import rpc
+from csi_pmem.servicers.rpc import require, rpc
 
 CCap = csi_pb2.ControllerServiceCapability.RPC
 MAX_PAGE = 1000
@@ -37,10 +37,7 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
 
     @rpc
     def CreateVolume(self, request, context):
-        if not request.name:
-            raise InvalidArgument("name is required")
-        if not request.volume_capabilities:
-            raise InvalidArgument("volume_capabilities are required")
+        require(request, "name", "volume_capabilities")
         if request.HasField("volume_content_source"):
             raise InvalidArgument("volume content sources (snapshots, clones) are not supported")
         params = sc_params.parse(request.parameters)
@@ -56,17 +53,13 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
 
     @rpc
     def DeleteVolume(self, request, context):
-        if not request.volume_id:
-            raise InvalidArgument("volume_id is required")
+        require(request, "volume_id")
         self.driver.delete_volume(request.volume_id)
         return csi_pb2.DeleteVolumeResponse()
 
     @rpc
     def ValidateVolumeCapabilities(self, request, context):
-        if not request.volume_id:
-            raise InvalidArgument("volume_id is required")
-        if not request.volume_capabilities:
-            raise InvalidArgument("volume_capabilities are required")
+        require(request, "volume_id", "volume_capabilities")
         rec = self.driver.get(request.volume_id)
         mode = rec.params.get(sc_params.DEVICE_MODE, sc_params.DEVDAX)
         reasons = [p for p in (problem(c, mode) for c in request.volume_capabilities) if p]
@@ -139,8 +132,7 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
 
     @rpc
     def ControllerGetVolume(self, request, context):
-        if not request.volume_id:
-            raise InvalidArgument("volume_id is required")
+        require(request, "volume_id")
         rec = self.driver.get(request.volume_id)
         cond = self.driver.condition(rec)
         return csi_pb2.ControllerGetVolumeResponse(

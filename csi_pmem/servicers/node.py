@@ -14,7 +14,7 @@ from csi_pmem.errors import InvalidArgument
 from csi_pmem.fsdax_node import Access
 from csi_pmem.params import FSDAX
 from csi_pmem.servicers.capabilities import READ_ONLY_MODES, fs_type, mode_name, require_valid
-from csi_pmem.servicers.rpc import rpc
+from csi_pmem.servicers.rpc import require, rpc
 from csi_pmem.state import BLOCK, MOUNT
 
 NCap = csi_pb2.NodeServiceCapability.RPC
@@ -57,33 +57,20 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     @rpc
     def NodeStageVolume(self, request, context):
-        if not request.volume_id:
-            raise InvalidArgument("volume_id is required")
-        if not request.staging_target_path:
-            raise InvalidArgument("staging_target_path is required")
-        if not request.HasField("volume_capability"):
-            raise InvalidArgument("volume_capability is required")
+        require(request, "volume_id", "staging_target_path", "volume_capability")
         access = self._access(request.volume_id, request.volume_capability)
         self.driver.stage(request.volume_id, request.staging_target_path, access)
         return csi_pb2.NodeStageVolumeResponse()
 
     @rpc
     def NodeUnstageVolume(self, request, context):
-        if not request.volume_id:
-            raise InvalidArgument("volume_id is required")
-        if not request.staging_target_path:
-            raise InvalidArgument("staging_target_path is required")
+        require(request, "volume_id", "staging_target_path")
         self.driver.unstage(request.volume_id, request.staging_target_path)
         return csi_pb2.NodeUnstageVolumeResponse()
 
     @rpc
     def NodePublishVolume(self, request, context):
-        if not request.volume_id:
-            raise InvalidArgument("volume_id is required")
-        if not request.target_path:
-            raise InvalidArgument("target_path is required")
-        if not request.HasField("volume_capability"):
-            raise InvalidArgument("volume_capability is required")
+        require(request, "volume_id", "target_path", "volume_capability")
         access = self._access(request.volume_id, request.volume_capability)
         cap = request.volume_capability
         readonly = request.readonly or cap.access_mode.mode in READ_ONLY_MODES
@@ -107,19 +94,13 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     @rpc
     def NodeUnpublishVolume(self, request, context):
-        if not request.volume_id:
-            raise InvalidArgument("volume_id is required")
-        if not request.target_path:
-            raise InvalidArgument("target_path is required")
+        require(request, "volume_id", "target_path")
         self.driver.unpublish(request.volume_id, request.target_path)
         return csi_pb2.NodeUnpublishVolumeResponse()
 
     @rpc
     def NodeGetVolumeStats(self, request, context):
-        if not request.volume_id:
-            raise InvalidArgument("volume_id is required")
-        if not request.volume_path:
-            raise InvalidArgument("volume_path is required")
+        require(request, "volume_id", "volume_path")
         rec, fs = self.driver.usage(request.volume_id, request.volume_path)
         cond = self.driver.condition(rec)
         if fs is None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import grpc
 from google.protobuf import json_format
 
-from csi_pmem.errors import status_for
+from csi_pmem.errors import InvalidArgument, status_for
 
 log = logging.getLogger("csi_pmem.rpc")
 QUIET = {"Probe", "NodeGetCapabilities", "GetPluginInfo", "GetPluginCapabilities",
@@ -81,3 +81,23 @@ def clip(message: str) -> str:
         return message
     return (data[:MAX_MESSAGE_BYTES].decode("utf-8", "ignore")
             + " [... truncated; the driver log has the whole message]")
+
+
+def require(request, *fields: str) -> None:
+    """INVALID_ARGUMENT naming the first of ``fields`` the request leaves empty.
+
+    Why one helper: presence is the servicer's job (the core gets complete requests),
+    and every RPC must say it the same way. A message field counts as present when it
+    is set, a repeated one when it has an entry, a scalar when it is not its default.
+    """
+    for name in fields:
+        field = request.DESCRIPTOR.fields_by_name[name]
+        if field.is_repeated:
+            present = len(getattr(request, name)) > 0
+        elif field.message_type is not None:
+            present = request.HasField(name)
+        else:
+            present = bool(getattr(request, name))
+        if not present:
+            verb = "are" if field.is_repeated else "is"
+            raise InvalidArgument(f"{name} {verb} required")
