@@ -258,13 +258,7 @@ class Driver:
 
     def _check_compatible(self, rec: VolumeRecord, name: str, required: int, limit: int,
                           params: VolumeParams) -> None:
-        want = params.to_dict()
-        have = dict(rec.params)
-        if params.numa_node is None:
-            want.pop("numaNode")
-            have.pop("numaNode", None)
-        problems = [f"{k}: existing {have.get(k)!r}, requested {v!r}"
-                    for k, v in want.items() if have.get(k) != v]
+        problems = params.compatible_with(rec.params, rec.numa_node)
         if rec.usable_size < required:
             problems.append(f"size: existing {rec.usable_size} bytes, requested {required}")
         if limit and rec.usable_size > limit:

@@ -43,6 +43,22 @@ class VolumeParams:
     erase_on_delete: bool = True
     co_labels: Mapping[str, str] = field(default_factory=dict, compare=False)
 
+    def compatible_with(self, stored: Mapping[str, str], numa_node: int | None) -> list[str]:
+        """How a volume created with the parameters ``stored`` (its record's map) and
+        placed on ``numa_node`` differs from these; empty when it satisfies them.
+
+        Why one rule: CreateVolume's idempotency check and ValidateVolumeCapabilities
+        must agree. ``numaNode: auto`` accepts any node; a number must be the node the
+        volume is on (also when it was created with auto and landed there).
+        """
+        want = self.to_dict()
+        have = dict(stored)
+        have[NUMA_NODE] = have.get(NUMA_NODE) if numa_node is None else str(numa_node)
+        if self.numa_node is None:
+            want.pop(NUMA_NODE)
+        return [f"{k}: the volume's {have.get(k)!r}, requested {v!r}"
+                for k, v in want.items() if have.get(k) != v]
+
     def to_dict(self) -> dict:
         return {
             DEVICE_MODE: self.device_mode,

@@ -2,6 +2,7 @@
 
 import pytest
 
+from csi_pmem import params
 from csi_pmem.errors import InvalidArgument
 from csi_pmem.params import VolumeParams, parse
 from csi_pmem.sizes import GiB, MiB
@@ -45,3 +46,15 @@ def test_invalid(params, needle):
     with pytest.raises(InvalidArgument) as info:
         parse(params)
     assert needle in str(info.value)
+
+
+def test_compatible_with_is_one_rule_for_create_and_validate():
+    stored = params.parse({"numaNode": "auto"}).to_dict()  # created with auto ...
+    assert params.parse({}).compatible_with(stored, 1) == []          # auto: any node
+    assert params.parse({"numaNode": "1"}).compatible_with(stored, 1) == []  # ... landed on 1
+    assert params.parse({"numaNode": "0"}).compatible_with(stored, 1) == [
+        "numaNode: the volume's '1', requested '0'"]
+    problems = params.parse({"align": "1Gi"}).compatible_with(stored, 1)
+    assert problems == ["align: the volume's '2Mi', requested '1Gi'"]
+    fsdax = params.parse({"deviceMode": "fsdax"})
+    assert fsdax.compatible_with(stored, 0)[0].startswith("deviceMode:")

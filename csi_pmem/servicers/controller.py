@@ -65,15 +65,12 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
         reasons = [p for p in (problem(c, mode) for c in request.volume_capabilities) if p]
         if request.parameters:
             try:
-                wanted = sc_params.parse(request.parameters).to_dict()
+                wanted = sc_params.parse(request.parameters)
             except InvalidArgument as exc:
                 reasons.append(str(exc))
             else:
-                have = dict(rec.params, numaNode=str(rec.numa_node))  # auto was resolved
-                if wanted.get("numaNode") == "auto":
-                    wanted.pop("numaNode")
-                reasons += [f"parameter {k}={v} differs from the volume's {have.get(k)}"
-                            for k, v in wanted.items() if have.get(k) != v]
+                reasons += [f"parameter {p}" for p in
+                            wanted.compatible_with(rec.params, rec.numa_node)]
         if reasons:
             return csi_pb2.ValidateVolumeCapabilitiesResponse(message="; ".join(reasons))
         return csi_pb2.ValidateVolumeCapabilitiesResponse(
