@@ -1,9 +1,11 @@
 """The driver core: volume life cycle, publication and start-up reconciliation.
 
 Why separate from the servicers: gRPC servicers validate requests and translate
-results; everything that touches the back end, the state store, mounts and the dax
-sockets lives here, behind plain Python calls that the CLI, the tests and the
-servicers share. Every mutating operation follows the same discipline:
+results; everything that touches the back end and the state store lives here, behind
+plain Python calls that the CLI, the tests and the servicers share. Node operations
+apply the shared policy here and dispatch to one publisher per device mode
+(:mod:`csi_pmem.node`: devdax directories with dax.sock, fsdax devices and file
+systems). Every mutating operation follows the same discipline:
 
 1. take the volume's in-flight slot (a concurrent call gets ABORTED),
 2. write the intent to the volume's record (so a crash leaves something to finish),
@@ -19,22 +21,19 @@ but have no record are reported, never destroyed.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from csi_pmem import failpoints, mounts
+from csi_pmem import failpoints
 from csi_pmem.backends.base import Backend, Namespace, Pool
 from csi_pmem.daxsock import DaxSocketServer
 from csi_pmem.erase import zero_fd
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
-    CommandError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -43,19 +42,20 @@ from csi_pmem.errors import (
     Unavailable,
 )
 from csi_pmem.filesystems import Usage
-from csi_pmem.fsdax_node import Access, FsdaxNode
 from csi_pmem.gpucopy.link import ServiceLink
 from csi_pmem.locks import InFlight
-from csi_pmem.params import FSDAX, VolumeParams
+from csi_pmem.node import NodePublisher
+from csi_pmem.node.access import Access
+from csi_pmem.node.busy import umount
+from csi_pmem.node.devdax import DevdaxNode
+from csi_pmem.node.fsdax import FsdaxNode
+from csi_pmem.params import DEVDAX, FSDAX, VolumeParams
 from csi_pmem.sizes import allocation_for, allocation_step, devdax_usable, format_bytes, round_down
 from csi_pmem.state import (
     CREATING,
     DELETING,
-    PUBLISHED,
-    PUBLISHING,
     READY,
     UNPUBLISHING,
-    Publication,
     StateStore,
     VolumeRecord,
 )
@@ -63,12 +63,7 @@ from csi_pmem.state import (
 log = logging.getLogger(__name__)
 
 VOLUME_ID_PREFIX = "pmem-"
-METADATA_FILE = "volume.json"
-SOCKET_FILE = "dax.sock"
-GPU_SOCKET_FILE = "gpu.sock"
 MAX_NAME_BYTES = 128
-# How long an unmount or a read-only remount may keep failing with EBUSY (_while_busy).
-UMOUNT_BUSY_SECONDS = 5.0
 PATH_MAX, NAME_MAX = 4096, 255  # Linux limits, in bytes (PATH_MAX counts the NUL)
 
 
@@ -134,7 +129,11 @@ class Driver:
         self.on_erase = on_erase or (lambda nbytes, seconds: None)
         self.orphans: list[str] = []
         self._kubelet_real = os.path.realpath(config.kubelet_dir)
-        self.fsdax = FsdaxNode(backend, store, self._umount)
+        # One publisher per device mode, behind one interface (csi_pmem.node).
+        self.nodes: dict[str, NodePublisher] = {
+            DEVDAX: DevdaxNode(backend, store, dax, config.driver_name, gpu_copy),
+            FSDAX: FsdaxNode(backend, store, umount),
+        }
 
     # ------------------------------------------------------------------ capacity
     def capacity(self, params: VolumeParams) -> Capacity:
@@ -383,74 +382,42 @@ class Driver:
                 f"{self.config.kubelet_dir} that this driver publishes into (--kubelet-dir)")
         return target
 
-    # ------------------------------------------------------------------ stage
+    # ------------------------------------------------------------------ node
+    def _node(self, rec: VolumeRecord) -> NodePublisher:
+        return self.nodes[FSDAX if rec.device_mode == FSDAX else DEVDAX]
+
     def stage(self, vid: str, path: str, access: Access) -> None:
         """NodeStageVolume: mount an fsdax file system once per node; nothing for devdax
         (each publish is self-contained) or for fsdax block volumes."""
         path = self.check_target(path)
         with self.inflight.hold(vid, "NodeStageVolume"):
             rec = self.get(vid)
-            if rec.device_mode == FSDAX:
-                self.fsdax.stage(rec, path, access)
+            self._node(rec).stage(rec, path, access)
 
     def unstage(self, vid: str, path: str) -> None:
         with self.inflight.hold(vid, "NodeUnstageVolume"):
             rec = self.get(vid)
-            if rec.device_mode == FSDAX:
-                self.fsdax.unstage(rec, path)
+            self._node(rec).unstage(rec, path)
 
-    # ------------------------------------------------------------------ publish
     def publish(self, vid: str, target: str, readonly: bool, *, pod_uid: str | None = None,
                 mount_group: int | None = None, access_mode: str = "",
                 access: Access | None = None, staging: str = "") -> None:
+        """NodePublishVolume: the shared policy here (target paths, single writer), the
+        device mode's own story in its publisher (csi_pmem.node)."""
         target = self.check_target(target)
         with self.inflight.hold(vid, "NodePublishVolume"):
             rec = self.get(vid)
             self._check_single_writer(rec, target, readonly, access_mode)
-            if rec.device_mode == FSDAX:
-                if access is None:
-                    raise InvalidArgument(
-                        f"volume {vid} is an fsdax volume: say whether to publish it as a "
-                        "block device or a file system")
-                self.fsdax.publish(rec, target, readonly, access,
-                                   self.check_target(staging) if staging else "",
-                                   mount_group=mount_group, pod_uid=pod_uid,
-                                   access_mode=access_mode)
-                return
-            pub = rec.publications.get(target)
-            current = mounts.find(target)
-            if pub is not None and pub.state == PUBLISHED and current is not None \
-                    and current.source == mounts.source_for(vid):
-                if pub.readonly != readonly or pub.mount_group != mount_group:
-                    raise AlreadyExists(
-                        f"volume {vid} is already published at {target} with readonly="
-                        f"{pub.readonly}; unpublish it before publishing with other options")
-                self._serve(rec, pub)  # idempotent; also heals a socket that went away
-                return
-            self._check_target_free(vid, target, current)
-            pub = Publication(target=target, readonly=readonly, state=PUBLISHING,
-                              pod_uid=pod_uid, mount_group=mount_group, access_mode=access_mode)
-            rec.publications[target] = pub
-            self.store.put(rec)
-            failpoints.hit(failpoints.PUBLISH_AFTER_RECORD)
-            try:
-                os.makedirs(target, mode=0o750, exist_ok=True)
-                if current is None:
-                    mounts.mount_tmpfs(target, vid)
-                failpoints.hit(failpoints.PUBLISH_AFTER_MOUNT)
-                self._populate(rec, pub)
-            except BaseException:
-                self._undo_publish(rec, target)
-                raise
-            failpoints.hit(failpoints.PUBLISH_AFTER_SOCKET)
-            pub.state = PUBLISHED
-            self.store.put(rec)
-            log.info("published %s at %s (readonly=%s, pod %s)", vid, target, readonly,
-                     pod_uid or "-")
-            if not pod_uid:
-                log.warning("%s is published without a pod UID: any process that can reach "
-                            "%s gets the device (set podInfoOnMount: true on the CSIDriver)",
-                            vid, target)
+            if rec.device_mode == FSDAX and access is None:
+                raise InvalidArgument(
+                    f"volume {vid} is an fsdax volume: say whether to publish it as a "
+                    "block device or a file system")
+            # Only fsdax file systems are staged; a devdax publish ignores the path.
+            staging = self.check_target(staging) if staging and rec.device_mode == FSDAX \
+                else ""
+            self._node(rec).publish(rec, target, readonly, access, staging,
+                                    mount_group=mount_group, pod_uid=pod_uid,
+                                    access_mode=access_mode)
 
     @staticmethod
     def _check_single_writer(rec: VolumeRecord, target: str, readonly: bool,
@@ -465,152 +432,17 @@ class Driver:
                 f"volume {rec.id} is SINGLE_NODE_SINGLE_WRITER and already published "
                 f"writable at {writers[0]}; unpublish it there first (or publish read-only)")
 
-    def _check_target_free(self, vid: str, target: str, current: mounts.MountInfo | None) -> None:
-        if current is not None:
-            if current.source == mounts.source_for(vid):
-                return  # our own half-finished publish: reuse the mount
-            if current.source.startswith(mounts.SOURCE_PREFIX):
-                raise AlreadyExists(
-                    f"target {target} already holds another volume "
-                    f"({current.source[len(mounts.SOURCE_PREFIX):]})")
-            raise FailedPrecondition(
-                f"target {target} is already a mount point ({current.fstype} from "
-                f"{current.source}); refusing to mount over it")
-        mounts.check_dir_target(target)
-
-    def _metadata(self, rec: VolumeRecord, pub: Publication) -> dict:
-        return {"volume_id": rec.id, "device": rec.device, "numa_node": rec.numa_node,
-                "size": rec.size, "usable_size": rec.usable_size, "align": rec.align,
-                "readonly": pub.readonly, "driver": self.config.driver_name,
-                "socket": SOCKET_FILE}
-
-    def _populate(self, rec: VolumeRecord, pub: Publication) -> None:
-        """Write volume.json and serve dax.sock in the target's tmpfs, then seal it."""
-        target = pub.target
-        current = mounts.find(target)
-        if current is not None and current.readonly:
-            mounts.remount(target, readonly=False)
-        meta_path = os.path.join(target, METADATA_FILE)
-        with open(meta_path, "w") as f:
-            json.dump(self._metadata(rec, pub), f, indent=1)
-            f.write("\n")
-        os.chmod(meta_path, 0o644)
-        os.chmod(target, 0o755)
-        self._serve(rec, pub)
-        self._seal(target)
-
-    def _serve(self, rec: VolumeRecord, pub: Publication) -> None:
-        ns = self.backend.get(rec.id)
-        if ns is None:
-            raise FailedPrecondition(f"the device of volume {rec.id} has disappeared")
-        readonly = pub.readonly
-        sock = os.path.join(pub.target, SOCKET_FILE)
-        if sock in self.dax.paths() and mounts.find(pub.target) is not None \
-                and os.path.exists(sock):
-            return
-        current = mounts.find(pub.target)
-        sealed = current is not None and current.readonly
-        if sealed:
-            mounts.remount(pub.target, readonly=False)
-        mode, gid = (0o660, pub.mount_group) if pub.mount_group is not None else (0o666, None)
-        meta = self._metadata(rec, pub)
-        try:
-            self.dax.serve(sock, meta, lambda: self.backend.open_device(ns, readonly),
-                           pod_uid=pub.pod_uid, mode=mode, gid=gid)
-            if self.gpu_copy is not None:
-                link = self.gpu_copy
-                self.dax.serve(os.path.join(pub.target, GPU_SOCKET_FILE), meta,
-                               lambda: self.backend.open_device(ns, True),
-                               pod_uid=pub.pod_uid, mode=mode, gid=gid,
-                               forward=lambda conn, fd: link.forward(meta, conn, fd))
-        except FileExistsError as exc:
-            raise FailedPrecondition(
-                f"{sock} exists and is not a socket; refusing to replace it") from exc
-        except ValueError as exc:
-            raise InvalidArgument(f"cannot serve {sock}: {exc}") from exc
-        if sealed:
-            self._seal(pub.target)
-        if self.gpu_copy is not None:
-            self._prepare_gpu_copy(rec, ns, meta)
-
-    def _prepare_gpu_copy(self, rec: VolumeRecord, ns: Namespace, meta: dict) -> None:
-        """Have the copy service map and register the volume now, at publish, so that
-        the pod's first load only copies (best effort: it logs when it cannot)."""
-        try:
-            fd = self.backend.open_device(ns, True)
-        except OSError as exc:
-            log.warning("volume %s: cannot open its device for the GPU copy service: %s",
-                        rec.id, exc)
-            return
-        try:
-            assert self.gpu_copy is not None
-            self.gpu_copy.prepare(meta, fd)
-        finally:
-            os.close(fd)
-
-    def _stop_and_umount(self, vid: str, target: str) -> None:
-        current = mounts.find(target)
-        ours = current is not None and current.source == mounts.source_for(vid)
-        if ours and current.readonly:
-            mounts.remount(target, readonly=False)  # so the socket file can be removed
-        self.dax.stop(os.path.join(target, SOCKET_FILE))
-        self.dax.stop(os.path.join(target, GPU_SOCKET_FILE))
-        if ours:
-            self._umount(target)
-
-    @staticmethod
-    def _umount(target: str) -> None:
-        _while_busy(lambda: mounts.umount(target), f"unmounting {target}")
-
-    @staticmethod
-    def _seal(target: str) -> None:
-        """Remount the target's tmpfs read-only (see _while_busy for the retries)."""
-        _while_busy(lambda: mounts.remount(target, readonly=True), f"sealing {target}")
-
-    def _undo_publish(self, rec: VolumeRecord, target: str) -> None:
-        self._stop_and_umount(rec.id, target)
-        try:
-            os.rmdir(target)
-        except OSError:
-            pass
-        rec.publications.pop(target, None)
-        self.store.put(rec)
-
     def unpublish(self, vid: str, target: str) -> None:
         with self.inflight.hold(vid, "NodeUnpublishVolume"):
             rec = self.get(vid)
-            pub = rec.publications.get(target)
-            if rec.device_mode == FSDAX:
-                if pub is not None or (os.path.isabs(target)
-                                       and self.fsdax.mounted_here(rec, target)):
-                    if pub is not None:
-                        pub.state = UNPUBLISHING
-                        self.store.put(rec)
-                    self.fsdax.unpublish(rec, target)
-                return
-            current = mounts.find(target) if os.path.isabs(target) else None
-            ours = current is not None and current.source == mounts.source_for(vid)
-            if pub is None and not ours:
+            node = self._node(rec)
+            if not node.owns(rec, target):
                 return  # unknown target: nothing to do (idempotent)
+            pub = rec.publications.get(target)
             if pub is not None:
                 pub.state = UNPUBLISHING
                 self.store.put(rec)
-            self._finish_unpublish(rec, target)
-
-    def _finish_unpublish(self, rec: VolumeRecord, target: str) -> None:
-        self._stop_and_umount(rec.id, target)
-        failpoints.hit(failpoints.UNPUBLISH_AFTER_UMOUNT)
-        try:
-            os.rmdir(target)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("left target %s in place: %s", target, exc.strerror)
-        rec.publications.pop(target, None)
-        self.store.put(rec)
-        if self.gpu_copy is not None and not rec.publications:
-            self.gpu_copy.release(rec.id)  # the last pod using it on this node went away
-        log.info("unpublished %s from %s", rec.id, target)
+            node.unpublish(rec, target)
 
     def usage(self, vid: str, path: str) -> tuple[VolumeRecord, Usage | None]:
         """NodeGetVolumeStats: file system usage at ``path``, or None for a device.
@@ -619,12 +451,7 @@ class Driver:
         cannot interpret: the caller reports them whole and free.
         """
         rec = self.get(vid)
-        if rec.device_mode == FSDAX:
-            return rec, self.fsdax.usage(rec, path)
-        pub = rec.publications.get(path)
-        if pub is None or pub.state != PUBLISHED:
-            raise NotFound(f"volume {vid} is not published at {path!r} on this node")
-        return rec, None
+        return rec, self._node(rec).usage(rec, path)
 
     # ------------------------------------------------------------------ start-up
     def reconcile(self) -> None:
@@ -644,10 +471,7 @@ class Driver:
                     log.info("volume %s moved from %s to %s", rec.id, rec.device, ns.device)
                     rec.device = ns.device
                     self.store.put(rec)
-                if rec.device_mode == FSDAX:
-                    self.fsdax.reconcile(rec)
-                else:
-                    self._reconcile_publications(rec)
+                self._node(rec).reconcile(rec)
             except Exception:
                 log.exception("could not reconcile volume %s; it is left as it is", rec.id)
         self.orphans = sorted(n for n in namespaces if is_volume_id(n))
@@ -655,51 +479,9 @@ class Driver:
             log.warning("namespace %s looks like a csi-pmem volume but has no record on this "
                         "node; it is not touched (delete it by hand if it is not needed)", name)
 
-    def _reconcile_publications(self, rec: VolumeRecord) -> None:
-        for target, pub in list(rec.publications.items()):
-            current = mounts.find(target)
-            ours = current is not None and current.source == mounts.source_for(rec.id)
-            if pub.state == UNPUBLISHING or (pub.state == PUBLISHING and not ours):
-                self._finish_unpublish(rec, target)
-            elif not ours:
-                log.warning("publication of %s at %s lost its mount (node reboot?); "
-                            "dropped, kubelet publishes again", rec.id, target)
-                rec.publications.pop(target)
-                self.store.put(rec)
-            else:
-                self._populate(rec, pub) if pub.state == PUBLISHING else self._serve(rec, pub)
-                if pub.state == PUBLISHING:
-                    pub.state = PUBLISHED
-                    self.store.put(rec)
-                log.info("serving %s again at %s", rec.id, target)
-
     def close(self) -> None:
         self.dax.close()
         self.backend.close()
-
-
-def _while_busy(action: Callable[[], None], what: str) -> None:
-    """Run a mount operation, retrying for a moment while the kernel says it is busy.
-
-    Why: every mount/umount this process runs for another volume forks, and until the
-    child execs it holds a copy of all our fds: a dax.sock listener that stop() just
-    closed (its bound path pins the tmpfs, so umount fails with EBUSY) or the volume.json
-    just written (a file open for writing, so remount,ro fails with EBUSY). Concurrent
-    publishes and unpublishes hit this for a few milliseconds; a target that stays busy
-    still fails.
-    """
-    deadline = time.monotonic() + UMOUNT_BUSY_SECONDS
-    delay = 0.005
-    while True:
-        try:
-            action()
-            return
-        except CommandError as exc:
-            if "busy" not in exc.stderr or time.monotonic() + delay > deadline:
-                raise
-            log.debug("%s: busy; trying again in %.3f s", what, delay)
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
 
 
 def describe(rec: VolumeRecord) -> dict:

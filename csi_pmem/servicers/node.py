@@ -11,7 +11,7 @@ from __future__ import annotations
 from csi_pmem.csi import csi_pb2, csi_pb2_grpc
 from csi_pmem.driver import Driver
 from csi_pmem.errors import InvalidArgument
-from csi_pmem.fsdax_node import Access
+from csi_pmem.node import Access
 from csi_pmem.params import FSDAX
 from csi_pmem.servicers.capabilities import READ_ONLY_MODES, fs_type, mode_name, require_valid
 from csi_pmem.servicers.rpc import require, rpc

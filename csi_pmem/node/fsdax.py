@@ -16,7 +16,7 @@ not through dax.sock (docs/design.md §6.1):
   onto each pod's target (read-only when asked) and applies the pod's fsGroup, which
   kubelet delegates to drivers with VOLUME_MOUNT_GROUP.
 
-The same intent-then-act discipline as :class:`csi_pmem.driver.Driver` applies: the
+The same intent-then-act discipline as every publisher (:mod:`csi_pmem.node`): the
 record says ``staging``/``publishing`` before anything is mounted, and
 :meth:`FsdaxNode.reconcile` finishes or drops what a crash interrupted, trusting
 mountinfo for what is mounted. The caller holds the volume's in-flight slot.
@@ -28,7 +28,6 @@ import logging
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from csi_pmem import failpoints, filesystems, loops, mounts
 from csi_pmem.backends.base import Backend, Namespace
@@ -40,6 +39,7 @@ from csi_pmem.errors import (
     NotFound,
     Unavailable,
 )
+from csi_pmem.node.access import Access
 from csi_pmem.state import (
     BLOCK,
     MOUNT,
@@ -58,21 +58,12 @@ log = logging.getLogger(__name__)
 PENDING_VIEW = "pending"  # recorded before a read-only view is attached
 
 
-@dataclass(frozen=True)
-class Access:
-    """What a NodeStage/NodePublish request asks for, already validated."""
-
-    kind: str  # BLOCK or MOUNT
-    fs_type: str = ""
-    mount_flags: tuple[str, ...] = ()
-
-
 class FsdaxNode:
     def __init__(self, backend: Backend, store: StateStore,
                  umount: Callable[[str], None]) -> None:
         self.backend = backend
         self.store = store
-        self._umount = umount  # retries while busy (Driver._umount)
+        self._umount = umount  # retries while busy (csi_pmem.node.busy.umount)
 
     # ------------------------------------------------------------------ helpers
     def _namespace(self, rec: VolumeRecord) -> Namespace:
@@ -388,6 +379,11 @@ class FsdaxNode:
         rec.publications.pop(target, None)
         self.store.put(rec)
         log.info("unpublished %s from %s", rec.id, target)
+
+    def owns(self, rec: VolumeRecord, target: str) -> bool:
+        """Whether ``target`` is a publication of ``rec`` (recorded, or found mounted)."""
+        return target in rec.publications or (os.path.isabs(target)
+                                               and self.mounted_here(rec, target))
 
     def mounted_here(self, rec: VolumeRecord, target: str) -> bool:
         """Whether ``target`` holds this volume even though no record says so (a

@@ -1,0 +1,269 @@
+"""Node side of devdax volumes: a per-target tmpfs holding volume.json and dax.sock.
+
+Why this shape (docs/design.md §2): a devdax character device cannot be a
+``volumeMode: Block`` volume and a pod's device cgroup would refuse to open it, so the
+volume reaches the pod as a directory: NodePublishVolume mounts a small tmpfs at the
+target, writes ``volume.json``, serves ``dax.sock`` (the node plugin opens the device
+and hands the fd to an authenticated peer, :mod:`csi_pmem.daxsock`) and, with the GPU
+copy service, ``gpu.sock``; then it remounts the tmpfs read-only (sealed). Each
+publication is self-contained, so NodeStageVolume has nothing to do.
+
+The same intent-then-act discipline as every publisher: the record says ``publishing``
+before anything is mounted, and :meth:`DevdaxNode.reconcile` finishes, re-serves or drops
+what a restart or crash left, trusting mountinfo. The caller (the driver) holds the
+volume's in-flight slot and has applied the shared policy (target paths, access modes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from csi_pmem import failpoints, mounts
+from csi_pmem.backends.base import Backend, Namespace
+from csi_pmem.daxsock import DaxSocketServer
+from csi_pmem.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from csi_pmem.filesystems import Usage
+from csi_pmem.gpucopy.link import ServiceLink
+from csi_pmem.node.access import Access
+from csi_pmem.node.busy import umount, while_busy
+from csi_pmem.state import (
+    PUBLISHED,
+    PUBLISHING,
+    UNPUBLISHING,
+    Publication,
+    StateStore,
+    VolumeRecord,
+)
+
+log = logging.getLogger(__name__)
+
+METADATA_FILE = "volume.json"
+SOCKET_FILE = "dax.sock"
+GPU_SOCKET_FILE = "gpu.sock"
+
+
+class DevdaxNode:
+    def __init__(self, backend: Backend, store: StateStore, dax: DaxSocketServer,
+                 driver_name: str, gpu_copy: ServiceLink | None = None) -> None:
+        self.backend = backend
+        self.store = store
+        self.dax = dax
+        self.driver_name = driver_name
+        # The node's GPU copy service (csi_pmem.gpucopy), or None: publications then
+        # also serve gpu.sock, forwarded to it after the dax.sock checks.
+        self.gpu_copy = gpu_copy
+
+    # ------------------------------------------------------------------ stage
+    def stage(self, rec: VolumeRecord, path: str, access: Access) -> None:
+        """Nothing to stage: each publication is self-contained."""
+
+    def unstage(self, rec: VolumeRecord, path: str) -> None:
+        """Nothing was staged."""
+
+    # ------------------------------------------------------------------ publish
+    def publish(self, rec: VolumeRecord, target: str, readonly: bool, access: Access | None,
+                staging: str, *, mount_group: int | None, pod_uid: str | None,
+                access_mode: str) -> None:
+        pub = rec.publications.get(target)
+        current = mounts.find(target)
+        if pub is not None and pub.state == PUBLISHED and current is not None \
+                and current.source == mounts.source_for(rec.id):
+            if pub.readonly != readonly or pub.mount_group != mount_group:
+                raise AlreadyExists(
+                    f"volume {rec.id} is already published at {target} with readonly="
+                    f"{pub.readonly}; unpublish it before publishing with other options")
+            self._serve(rec, pub)  # idempotent; also heals a socket that went away
+            return
+        self._check_target_free(rec.id, target, current)
+        pub = Publication(target=target, readonly=readonly, state=PUBLISHING,
+                          pod_uid=pod_uid, mount_group=mount_group, access_mode=access_mode)
+        rec.publications[target] = pub
+        self.store.put(rec)
+        failpoints.hit(failpoints.PUBLISH_AFTER_RECORD)
+        try:
+            os.makedirs(target, mode=0o750, exist_ok=True)
+            if current is None:
+                mounts.mount_tmpfs(target, rec.id)
+            failpoints.hit(failpoints.PUBLISH_AFTER_MOUNT)
+            self._populate(rec, pub)
+        except BaseException:
+            self._undo_publish(rec, target)
+            raise
+        failpoints.hit(failpoints.PUBLISH_AFTER_SOCKET)
+        pub.state = PUBLISHED
+        self.store.put(rec)
+        log.info("published %s at %s (readonly=%s, pod %s)", rec.id, target, readonly,
+                 pod_uid or "-")
+        if not pod_uid:
+            log.warning("%s is published without a pod UID: any process that can reach "
+                        "%s gets the device (set podInfoOnMount: true on the CSIDriver)",
+                        rec.id, target)
+
+    def _check_target_free(self, vid: str, target: str, current: mounts.MountInfo | None) -> None:
+        if current is not None:
+            if current.source == mounts.source_for(vid):
+                return  # our own half-finished publish: reuse the mount
+            if current.source.startswith(mounts.SOURCE_PREFIX):
+                raise AlreadyExists(
+                    f"target {target} already holds another volume "
+                    f"({current.source[len(mounts.SOURCE_PREFIX):]})")
+            raise FailedPrecondition(
+                f"target {target} is already a mount point ({current.fstype} from "
+                f"{current.source}); refusing to mount over it")
+        mounts.check_dir_target(target)
+
+    def _metadata(self, rec: VolumeRecord, pub: Publication) -> dict:
+        return {"volume_id": rec.id, "device": rec.device, "numa_node": rec.numa_node,
+                "size": rec.size, "usable_size": rec.usable_size, "align": rec.align,
+                "readonly": pub.readonly, "driver": self.driver_name,
+                "socket": SOCKET_FILE}
+
+    def _populate(self, rec: VolumeRecord, pub: Publication) -> None:
+        """Write volume.json and serve dax.sock in the target's tmpfs, then seal it."""
+        target = pub.target
+        current = mounts.find(target)
+        if current is not None and current.readonly:
+            mounts.remount(target, readonly=False)
+        meta_path = os.path.join(target, METADATA_FILE)
+        with open(meta_path, "w") as f:
+            json.dump(self._metadata(rec, pub), f, indent=1)
+            f.write("\n")
+        os.chmod(meta_path, 0o644)
+        os.chmod(target, 0o755)
+        self._serve(rec, pub)
+        self._seal(target)
+
+    def _serve(self, rec: VolumeRecord, pub: Publication) -> None:
+        ns = self.backend.get(rec.id)
+        if ns is None:
+            raise FailedPrecondition(f"the device of volume {rec.id} has disappeared")
+        readonly = pub.readonly
+        sock = os.path.join(pub.target, SOCKET_FILE)
+        if sock in self.dax.paths() and mounts.find(pub.target) is not None \
+                and os.path.exists(sock):
+            return
+        current = mounts.find(pub.target)
+        sealed = current is not None and current.readonly
+        if sealed:
+            mounts.remount(pub.target, readonly=False)
+        mode, gid = (0o660, pub.mount_group) if pub.mount_group is not None else (0o666, None)
+        meta = self._metadata(rec, pub)
+        try:
+            self.dax.serve(sock, meta, lambda: self.backend.open_device(ns, readonly),
+                           pod_uid=pub.pod_uid, mode=mode, gid=gid)
+            if self.gpu_copy is not None:
+                link = self.gpu_copy
+                self.dax.serve(os.path.join(pub.target, GPU_SOCKET_FILE), meta,
+                               lambda: self.backend.open_device(ns, True),
+                               pod_uid=pub.pod_uid, mode=mode, gid=gid,
+                               forward=lambda conn, fd: link.forward(meta, conn, fd))
+        except FileExistsError as exc:
+            raise FailedPrecondition(
+                f"{sock} exists and is not a socket; refusing to replace it") from exc
+        except ValueError as exc:
+            raise InvalidArgument(f"cannot serve {sock}: {exc}") from exc
+        if sealed:
+            self._seal(pub.target)
+        if self.gpu_copy is not None:
+            self._prepare_gpu_copy(rec, ns, meta)
+
+    def _prepare_gpu_copy(self, rec: VolumeRecord, ns: Namespace, meta: dict) -> None:
+        """Have the copy service map and register the volume now, at publish, so that
+        the pod's first load only copies (best effort: it logs when it cannot)."""
+        try:
+            fd = self.backend.open_device(ns, True)
+        except OSError as exc:
+            log.warning("volume %s: cannot open its device for the GPU copy service: %s",
+                        rec.id, exc)
+            return
+        try:
+            assert self.gpu_copy is not None
+            self.gpu_copy.prepare(meta, fd)
+        finally:
+            os.close(fd)
+
+    def _stop_and_umount(self, vid: str, target: str) -> None:
+        current = mounts.find(target)
+        ours = current is not None and current.source == mounts.source_for(vid)
+        if ours and current.readonly:
+            mounts.remount(target, readonly=False)  # so the socket file can be removed
+        self.dax.stop(os.path.join(target, SOCKET_FILE))
+        self.dax.stop(os.path.join(target, GPU_SOCKET_FILE))
+        if ours:
+            self._umount(target)
+
+    @staticmethod
+    def _umount(target: str) -> None:
+        umount(target)
+
+    @staticmethod
+    def _seal(target: str) -> None:
+        """Remount the target's tmpfs read-only (see while_busy for the retries)."""
+        while_busy(lambda: mounts.remount(target, readonly=True), f"sealing {target}")
+
+    def _undo_publish(self, rec: VolumeRecord, target: str) -> None:
+        self._stop_and_umount(rec.id, target)
+        try:
+            os.rmdir(target)
+        except OSError:
+            pass
+        rec.publications.pop(target, None)
+        self.store.put(rec)
+
+    # ------------------------------------------------------------------ unpublish
+    def owns(self, rec: VolumeRecord, target: str) -> bool:
+        """Whether ``target`` is a publication of ``rec`` (recorded, or our mount)."""
+        if target in rec.publications:
+            return True
+        current = mounts.find(target) if os.path.isabs(target) else None
+        return current is not None and current.source == mounts.source_for(rec.id)
+
+    def unpublish(self, rec: VolumeRecord, target: str) -> None:
+        self._finish_unpublish(rec, target)
+
+    def _finish_unpublish(self, rec: VolumeRecord, target: str) -> None:
+        self._stop_and_umount(rec.id, target)
+        failpoints.hit(failpoints.UNPUBLISH_AFTER_UMOUNT)
+        try:
+            os.rmdir(target)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("left target %s in place: %s", target, exc.strerror)
+        rec.publications.pop(target, None)
+        self.store.put(rec)
+        if self.gpu_copy is not None and not rec.publications:
+            self.gpu_copy.release(rec.id)  # the last pod using it on this node went away
+        log.info("unpublished %s from %s", rec.id, target)
+
+    def usage(self, rec: VolumeRecord, path: str) -> Usage | None:
+        """A raw device: no file system usage to report (the caller reports it whole)."""
+        pub = rec.publications.get(path)
+        if pub is None or pub.state != PUBLISHED:
+            raise NotFound(f"volume {rec.id} is not published at {path!r} on this node")
+        return None
+
+    # ------------------------------------------------------------------ start-up
+    def reconcile(self, rec: VolumeRecord) -> None:
+        self._reconcile_publications(rec)
+
+    def _reconcile_publications(self, rec: VolumeRecord) -> None:
+        for target, pub in list(rec.publications.items()):
+            current = mounts.find(target)
+            ours = current is not None and current.source == mounts.source_for(rec.id)
+            if pub.state == UNPUBLISHING or (pub.state == PUBLISHING and not ours):
+                self._finish_unpublish(rec, target)
+            elif not ours:
+                log.warning("publication of %s at %s lost its mount (node reboot?); "
+                            "dropped, kubelet publishes again", rec.id, target)
+                rec.publications.pop(target)
+                self.store.put(rec)
+            else:
+                self._populate(rec, pub) if pub.state == PUBLISHING else self._serve(rec, pub)
+                if pub.state == PUBLISHING:
+                    pub.state = PUBLISHED
+                    self.store.put(rec)
+                log.info("serving %s again at %s", rec.id, target)
+
