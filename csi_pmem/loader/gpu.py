@@ -573,7 +573,7 @@ class GpuLoader:
         """Copy ``selection`` to the device; callbacks fire as tensors and files land
         (``on_data`` right after each ``on_tensor``).
 
-        Returns the path used: ``"bounce"``, ``"registered"`` or ``"hybrid"``.
+        Returns the path used: ``"node"``, ``"bounce"``, ``"registered"`` or ``"hybrid"``.
         """
         with self._lock:
             targets = []
