@@ -15,6 +15,7 @@ Usage: benchmarks/profile_load.py VOLUME [--mode auto|bounce|registered|hybrid]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -47,7 +48,7 @@ def main() -> int:
     torch.cuda.init()
     torch.empty(1, device=args.device)
     torch.cuda.synchronize()
-    with __import__("contextlib").suppress(ImportError):
+    with contextlib.suppress(ImportError):
         import cuda.bindings.driver  # noqa: F401  (what the node path imports)
     from csi_pmem.loader import open_model, open_volume, start_load
     from csi_pmem.loader.gpu import GpuLoader

@@ -1,14 +1,23 @@
-"""The GPU path (torch, imported lazily): bounce buffers, or a registered mapping.
+"""The GPU paths (torch, imported lazily): the node's copy service, registered mappings,
+bounce buffers.
 
-Why two paths (docs/design.md §3):
+Why several (docs/design.md §3, docs/gpu-copy-service.md), in the order a load tries them:
+- Node (:mod:`.nodecopy`): where the volume directory has ``gpu.sock``, the node's copy
+  service fills exportable allocations from a mapping it registered at publish time.
+  What it does not finish is copied by the paths below, with one warning.
+- Registered (:mod:`.registered`): the model's ranges of the mapping are registered
+  with CUDA in pieces; copies then run at link speed with no CPU work. Registration
+  costs about 0.03 s/GB on 2 MiB pages and 0.06-0.1 s/GB on 4 KiB pages, so
+  ``mode="auto"`` registers whole from the ``auto_register_after``-th load of the same
+  open :class:`Volume` (or call :meth:`GpuLoader.register` ahead of time).
+- Hybrid: the first load of a large-page mapping (devdax, huge tmpfs, hugetlbfs) faults
+  pieces in from the loader's threads and registers them one by one, queueing each
+  piece's copies right after it (optionally with bounce buffers from the back,
+  :class:`.plan.MeetInTheMiddle`). Pieces registered stay registered for later loads.
 - Bounce (:mod:`.pipeline`): pinned buffers allocated once per loader, filled by memcpy
   threads on the volume's NUMA node and drained by one CUDA stream. Works for any
-  mapping; costs CPU and memory bandwidth (each byte is read, written, read again).
-- Registered (:mod:`.registered`): the model's ranges of the mapping are registered
-  with CUDA once; copies then run at link speed with no CPU work. Registration costs
-  0.03-0.1 s/GiB, so it is chosen when a mapping is loaded from again: ``mode="auto"``
-  registers on the ``auto_register_after``-th load of the same open :class:`Volume`
-  through this loader (or call :meth:`GpuLoader.register` ahead of time).
+  mapping and is the first load of a 4 KiB-page one; costs CPU and memory bandwidth
+  (each byte is read, written, read again).
 
 Never registered, whatever the mode: a volume whose ``registration_refused_reason`` is
 set when it is opened (:func:`.volume.registration_refusal`: a file on a file system

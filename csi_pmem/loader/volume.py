@@ -185,13 +185,11 @@ class Volume:
         length += offset - start
         if length <= 0 or self.mapping is None:
             return "none"
-        advice = MADV_POPULATE_WRITE if self.writable else MADV_POPULATE_READ
-        try:
-            self.mapping.madvise(advice, start, length)
+        err = self._madvise_populate(start, length)
+        if err == 0:
             return "madv_populate"
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.ENOSYS):
-                raise VolumeError(f"prefault of {self.source} failed: {exc}") from exc
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise VolumeError(f"prefault of {self.source} failed: {os.strerror(err)}")
         log.info("MADV_POPULATE not supported here; prefaulting %s by touching pages",
                  self.source)
         self.mapping.madvise(mmap.MADV_WILLNEED, start, length)
@@ -211,11 +209,16 @@ class Volume:
         if self.mapping is None or length <= 0:
             return False
         start = offset - offset % PAGE
+        return self._madvise_populate(start, length + offset - start) == 0
+
+    def _madvise_populate(self, start: int, length: int) -> int:
+        """madvise(MADV_POPULATE_READ/WRITE) on a page-aligned range through libc (the
+        GIL is released); 0 or the errno."""
         libc = _libc()
         advice = MADV_POPULATE_WRITE if self.writable else MADV_POPULATE_READ
-        rc = libc.madvise(ctypes.c_void_p(self.address + start),
-                          ctypes.c_size_t(length + offset - start), ctypes.c_int(advice))
-        return rc == 0
+        rc = libc.madvise(ctypes.c_void_p(self.address + start), ctypes.c_size_t(length),
+                          ctypes.c_int(advice))
+        return 0 if rc == 0 else ctypes.get_errno()
 
     def persist(self, offset: int = 0, length: int | None = None) -> None:
         """Make a written range durable with this mapping's primitive
