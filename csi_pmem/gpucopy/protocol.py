@@ -11,8 +11,9 @@ Two conversations:
   ``release`` (unregister and unmap, before the namespace may go away), ``client``
   (metadata + the volume's fd + an authenticated client connection to serve).
 - Service <-> pod, on that client connection: the service speaks first (``hello``: the
-  GPUs it can copy to); the pod sends one or more ``copy`` requests, each with one
-  allocation's fd, then shuts down its sending side; the service answers
+  GPUs it can copy to; a pod may send its first request before it reads it); the pod
+  sends one or more ``copy`` requests, each with one allocation's fd, then shuts down
+  its sending side; the service answers
   ``{"done": k}`` lines as the first k copies (counted over all requests, in order)
   have landed, then ``{"ok": true, ...}`` or ``{"error": ...}``.
 """

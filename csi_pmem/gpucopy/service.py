@@ -319,13 +319,15 @@ class CopyService:
                     continue
                 done[0] += 1
                 now = time.monotonic()
+                if done[0] == 1:
+                    log.debug("first copy done at %.1f ms", (now - accepted) * 1e3)
                 if now - done[1] >= PROGRESS_INTERVAL or tokens.empty():
                     with contextlib.suppress(OSError):
                         send({"done": done[0]})
                     done[1] = now
 
         wait_thread = threading.Thread(target=waiter, name="copy-wait", daemon=True)
-        started = time.monotonic()
+        started = accepted = time.monotonic()
         try:
             sock.settimeout(self.client_timeout)
             send({"service": protocol.SERVICE, "protocol": protocol.PROTOCOL,
@@ -344,10 +346,16 @@ class CopyService:
                         if not requests:
                             state.refresh()  # a model staged since the last poll
                             started = time.monotonic()
+                        arrived = time.monotonic()
                         target = self.copier.open_target(fds[0], request.size, request.gpu)
                         targets.append(target)
+                        opened = time.monotonic()
                         for token in self.copier.enqueue(target, state.host_copies(request)):
                             tokens.put(token)
+                        log.debug("request %d: at %.1f ms, target opened in %.1f ms, %d "
+                                  "copies queued in %.1f ms", requests,
+                                  (arrived - accepted) * 1e3, (opened - arrived) * 1e3,
+                                  len(request.copies), (time.monotonic() - opened) * 1e3)
                     finally:
                         for fd in fds:
                             os.close(fd)

@@ -9,8 +9,9 @@ offset's alignment), so each ``wsum64`` chunk is summed there in one batched red
 the few bytes a chunk has before the tensor data (the safetensors header, which the
 loader parsed from the mapping) are summed from the mapping, and the two parts combined
 (:func:`.wsum.shift`). Each file is checked as soon as it is complete, on a stream of
-its own, chunk by chunk as their tensors land, so only the last chunks' check adds to
-the load.
+its own, chunk by chunk as their tensors land; the reductions are queued without
+waiting and their results read once, after the last, so only the last chunks' check
+adds to the load.
 
 What cannot be checked on the device goes to the host check (:func:`device_plan`
 returns None): a subset of a file's tensors (tensor parallelism: the chunks also hold
@@ -69,26 +70,28 @@ def device_plan(view: ModelView, fname: str, tensors: list[TensorInfo]) -> FileP
                     checksum.model_chunks(model, [entry]))
 
 
-def check_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
-                 indices: list[int]) -> list[checksum.Mismatch]:
-    """Sum the chunks ``indices`` of ``plan``'s file; ``buffer`` is the file's device
-    buffer, whose byte ``first_dst`` holds the volume byte ``plan.data_start``. Returns
-    the mismatches."""
+def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
+                  indices: list[int]) -> wsum.Pending:
+    """Queue the sums of the chunks ``indices`` of ``plan``'s file on the current
+    stream; ``result()`` waits for them and returns the mismatches. ``buffer`` is the
+    file's device buffer, whose byte ``first_dst`` holds the volume byte
+    ``plan.data_start``."""
     entry, ds, size = plan.entry, plan.data_start - plan.entry.offset, plan.chunk_size
 
     def dev(rel_start: int, rel_end: int) -> Any:
         return buffer[first_dst + rel_start - ds:first_dst + rel_end - ds]
 
     ranges = chunk_ranges(entry.length, size)
-    got: dict[int, tuple[int, int]] = {}
+    got: dict[int, Any] = {}  # chunk index -> () -> (s1, s2)
     # Runs of consecutive whole chunks past the header: one batched reduction each.
     full = sorted(i for i in indices if ranges[i][0] >= ds and ranges[i][1] == size)
     run: list[int] = []
     for i in [*full, None]:
         if run and (i is None or i != run[-1] + 1):
-            sums = wsum.device_chunk_sums(dev(ranges[run[0]][0], ranges[run[-1]][0] + size),
-                                          size)
-            got.update(zip(run, sums, strict=True))
+            sums = wsum.device_chunk_sums_async(
+                dev(ranges[run[0]][0], ranges[run[-1]][0] + size), size)
+            for k, index in enumerate(run):
+                got[index] = lambda sums=sums, k=k: sums.result()[k]
             run = []
         if i is not None:
             run.append(i)
@@ -96,22 +99,33 @@ def check_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
         if i in got:
             continue
         off, n = ranges[i]
-        parts = []
+        parts: list[Any] = []
         if off < ds:  # the header: from the mapping the loader parsed it from
-            head = min(off + n, ds)
-            parts.append(wsum.cpu_sums(view.volume.view(entry.offset + off, head - off)))
+            head = wsum.cpu_sums(view.volume.view(entry.offset + off, min(off + n, ds) - off))
+            parts.append(lambda head=head: head)
         start = max(off, ds)
         if start < off + n:
-            parts.append(wsum.shift(*wsum.device_sums(dev(start, off + n)),
-                                    (start - off) // 8))
-        got[i] = wsum.combine(*parts)
-    out = []
-    for chunk in plan.chunks:
-        if chunk.index in got:
-            digest = wsum.fmt(*got[chunk.index])
-            if digest != chunk.expected:
-                out.append(checksum.Mismatch(chunk, digest))
-    return out
+            part = wsum.device_sums_async(dev(start, off + n))
+            parts.append(lambda part=part, words=(start - off) // 8:
+                         wsum.shift(*part.result(), words))
+        got[i] = lambda parts=parts: wsum.combine(*(p() for p in parts))
+
+    def mismatches() -> list[checksum.Mismatch]:
+        out = []
+        for chunk in plan.chunks:
+            if chunk.index in got:
+                digest = wsum.fmt(*got[chunk.index]())
+                if digest != chunk.expected:
+                    out.append(checksum.Mismatch(chunk, digest))
+        return out
+
+    return wsum.Pending(mismatches)
+
+
+def check_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
+                 indices: list[int]) -> list[checksum.Mismatch]:
+    """:func:`launch_chunks`, waited for: the mismatches."""
+    return launch_chunks(view, plan, buffer, first_dst, indices).result()
 
 
 class _FileProgress:
@@ -200,6 +214,9 @@ class DeviceVerifier:
     def _run(self) -> None:
         import torch
 
+        # The buffers stay referenced until the reductions that read them are done, so
+        # that the caching allocator cannot hand their memory out under them.
+        launched: list[tuple[wsum.Pending, Any]] = []
         while True:
             with self._wake:
                 while not self._queue and self._left:
@@ -207,18 +224,16 @@ class DeviceVerifier:
                 if not self._queue:
                     break
                 fname, buffer, first_dst, ready = self._queue.pop(0)
+            exc_: BaseException | None = None
             try:
                 with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                    bad = check_chunks(self.view, self.plans[fname], buffer, first_dst,
-                                       ready)
+                    launched.append((launch_chunks(self.view, self.plans[fname], buffer,
+                                                   first_dst, ready), buffer))
             except BaseException as exc:  # a device error: the check did not happen
                 log.error("checking %s on the device failed: %s", fname, exc)
-                bad, exc_ = [], exc
-            else:
-                exc_ = None
+                exc_ = exc
             del buffer
             with self._wake:
-                self._bad += bad
                 if exc_ is not None and self._error is None:
                     self._error = exc_
                 if not self._progress[fname].unchecked:
@@ -226,7 +241,29 @@ class DeviceVerifier:
                 last = not self._left and not self._queue
             if last:
                 break
+        bad, exc_ = self._collect(launched)
+        # Drop every device tensor before the result is out: a process may exit as soon
+        # as it is, and tensors freed by this thread during interpreter teardown would
+        # reach a CUDA runtime that is going away (an abort at exit).
+        launched.clear()
+        with self._wake:
+            self._bad += bad
+            if exc_ is not None and self._error is None:
+                self._error = exc_
         self._finish()
+
+    def _collect(self, launched: list[tuple[wsum.Pending, Any]]
+                 ) -> tuple[list[checksum.Mismatch], BaseException | None]:
+        """Every reduction is queued: one wait for all of them, then compare."""
+        bad: list[checksum.Mismatch] = []
+        try:
+            self._stream.synchronize()
+            for pending, _buffer in launched:
+                bad += pending.result()
+        except BaseException as exc:
+            log.error("checking on the device failed: %s", exc)
+            return bad, exc
+        return bad, None
 
     def _finish(self) -> None:
         with self._lock:

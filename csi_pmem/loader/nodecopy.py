@@ -60,29 +60,42 @@ def service_socket(volume: Volume) -> str | None:
 
 
 class Session:
-    """One connection to the service: its hello, then one copy request."""
+    """One connection to the service: its hello, then copy requests.
+
+    The hello is read lazily: a pod connects and sends its first request at once, and
+    reads the hello after it, so the first copy does not wait for the round trip through
+    the node plugin's socket server to the service and back (the service sends its
+    hello before it reads a request, and refuses a request for a GPU it cannot see).
+    """
 
     def __init__(self, path: str, timeout: float = 30.0):
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.gpus: list[str] | None = None  # known once the hello is read
+        self.registered_bytes = 0
         try:
             self.sock.settimeout(timeout)
             with unix_address(path) as address:
                 self.sock.connect(address)
             self.reader = protocol.Reader(self.sock)
-            hello = self._read()
-        except (OSError, protocol.ProtocolError) as exc:
+        except OSError as exc:
             self.close()
             raise NodeCopyError(f"the GPU copy service at {path} is not reachable: "
                                 f"{exc}") from exc
-        except NodeCopyError:
-            self.close()
-            raise
-        if hello.get("service") != protocol.SERVICE:
-            self.close()
-            raise NodeCopyError(f"{path} is not a csi-pmem GPU copy service")
-        self.gpus: list[str] = list(hello.get("gpus") or [])
-        self.registered_bytes = int(hello.get("registered_bytes") or 0)
+
+    def hello(self) -> list[str]:
+        """Read and check the service's hello (once); the GPUs it sees."""
+        if self.gpus is None:
+            try:
+                hello = self._read()
+            except (OSError, protocol.ProtocolError) as exc:
+                raise NodeCopyError(f"the GPU copy service at {self.path} is not "
+                                    f"reachable: {exc}") from exc
+            if hello.get("service") != protocol.SERVICE:
+                raise NodeCopyError(f"{self.path} is not a csi-pmem GPU copy service")
+            self.gpus = list(hello.get("gpus") or [])
+            self.registered_bytes = int(hello.get("registered_bytes") or 0)
+        return self.gpus
 
     def _read(self, done: int = 0) -> dict[str, Any]:
         doc = self.reader.read()
@@ -103,8 +116,14 @@ class Session:
         done = total = 0
         try:
             for fd, request in requests:
-                protocol.send(self.sock, request.to_json(), [fd])
+                try:
+                    protocol.send(self.sock, request.to_json(), [fd])
+                except OSError:
+                    self.hello()  # the reason, where the other side gave one first
+                    raise
                 total += len(request.copies)
+                self.hello()  # after the first request, so that it is on its way
+            self.hello()
             self.sock.shutdown(socket.SHUT_WR)
             while True:
                 doc = self._read(done)
@@ -132,9 +151,9 @@ def request_copies(path: str, fd: int, gpu: str, size: int,
     """Connect, check the service sees ``gpu``, copy, close."""
     session = Session(path, timeout)
     try:
-        if gpu not in session.gpus:
+        if gpu not in session.hello():
             raise NodeCopyError(f"the node's GPU copy service cannot reach {gpu} (it "
-                                f"sees {', '.join(session.gpus) or 'no GPU'})")
+                                f"sees {', '.join(session.hello()) or 'no GPU'})")
         return session.copy([(fd, protocol.CopyRequest(gpu, size, tuple(copies)))],
                             on_progress)
     finally:

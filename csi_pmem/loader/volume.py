@@ -214,9 +214,9 @@ class Volume:
     def _madvise_populate(self, start: int, length: int) -> int:
         """madvise(MADV_POPULATE_READ/WRITE) on a page-aligned range through libc (the
         GIL is released); 0 or the errno."""
-        libc = _libc()
+        lib = libc()
         advice = MADV_POPULATE_WRITE if self.writable else MADV_POPULATE_READ
-        rc = libc.madvise(ctypes.c_void_p(self.address + start), ctypes.c_size_t(length),
+        rc = lib.madvise(ctypes.c_void_p(self.address + start), ctypes.c_size_t(length),
                           ctypes.c_int(advice))
         return 0 if rc == 0 else ctypes.get_errno()
 
@@ -343,7 +343,7 @@ def _volume_json(directory: str) -> dict[str, Any]:
 def statx_dax(fd: int) -> bool | None:
     """Whether an open file is DAX (``STATX_ATTR_DAX``), or None where statx cannot tell
     (no statx in libc, a kernel before 5.8, a file system that does not report it)."""
-    statx = getattr(_libc(), "statx", None)
+    statx = getattr(libc(), "statx", None)
     if statx is None:
         return None
     buf = ctypes.create_string_buffer(256)  # struct statx
@@ -359,7 +359,8 @@ def statx_dax(fd: int) -> bool | None:
 _LIBC: ctypes.CDLL | None = None
 
 
-def _libc() -> ctypes.CDLL:
+def libc() -> ctypes.CDLL:
+    """libc through ctypes, errno kept; calls through it release the GIL."""
     global _LIBC
     if _LIBC is None:
         _LIBC = ctypes.CDLL(None, use_errno=True)

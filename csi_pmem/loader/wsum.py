@@ -133,39 +133,75 @@ def _to_pairs(s1: Any, s2: Any) -> list[tuple[int, int]]:
     return out
 
 
-def device_sums(buf: Any) -> tuple[int, int]:
-    """(s1, s2) of a uint8 CUDA tensor whose first byte is 8-byte aligned, as if it
-    started a chunk. The last partial word is zero-padded in a small copy."""
+class Pending:
+    """Sums queued on the device and not read back yet: :meth:`result` reads them.
+
+    Why: reading a result waits for the device. A check that read back each batch as it
+    went would wait once per batch, holding the GIL the copy threads need, and the last
+    waits would add up after the copy; queued, the reductions run beside the copy and
+    the reads cost one wait at the end.
+    """
+
+    def __init__(self, compute: Any):
+        self._compute = compute
+        self._value: Any = None
+        self._done = False
+
+    def result(self) -> Any:
+        if not self._done:
+            self._value, self._done = self._compute(), True
+            self._compute = None
+        return self._value
+
+
+def device_sums_async(buf: Any) -> Pending:
+    """:func:`device_sums`, queued: ``result()`` is the (s1, s2) pair."""
     torch = _torch()
     n = buf.numel()
     full = n // 8
     words = buf[:full * 8].view(torch.int64) if full else None
-    parts = []
+    parts: list[Any] = []
     rows = full // ROW
     if rows:
         block = words[:rows * ROW].view(1, rows, ROW)
         a, b = _row_sums(torch, block)
-        parts.append(_to_pairs(a, b)[0])
+        parts.append(lambda a=a, b=b: _to_pairs(a, b)[0])
     if full - rows * ROW:
         rest = words[rows * ROW:]
         k = torch.arange(rows * ROW + 1, full + 1, dtype=torch.int64, device=buf.device)
-        parts.append(_to_pairs(rest.sum().view(1), (rest * k).sum().view(1))[0])
+        r1, r2 = rest.sum().view(1), (rest * k).sum().view(1)
+        parts.append(lambda r1=r1, r2=r2: _to_pairs(r1, r2)[0])
     rem = n - full * 8
     if rem:
         tail = torch.zeros(8, dtype=torch.uint8, device=buf.device)
         tail[:rem] = buf[full * 8:]
-        last = int(tail.view(torch.int64).item()) & MASK
-        parts.append((last, (full + 1) * last))
-    return combine(*parts) if parts else (0, 0)
+
+        def last(tail: Any = tail) -> tuple[int, int]:
+            word = int(tail.view(torch.int64).item()) & MASK
+            return word, (full + 1) * word
+
+        parts.append(last)
+    return Pending(lambda: combine(*(p() for p in parts)) if parts else (0, 0))
+
+
+def device_sums(buf: Any) -> tuple[int, int]:
+    """(s1, s2) of a uint8 CUDA tensor whose first byte is 8-byte aligned, as if it
+    started a chunk. The last partial word is zero-padded in a small copy."""
+    return device_sums_async(buf).result()
+
+
+def device_chunk_sums_async(buf: Any, chunk_bytes: int) -> Pending:
+    """:func:`device_chunk_sums`, queued: ``result()`` is the list of pairs."""
+    torch = _torch()
+    n = buf.numel() // chunk_bytes
+    if n == 0:
+        return Pending(list)
+    block = buf[:n * chunk_bytes].view(torch.int64).view(n, chunk_bytes // 8 // ROW, ROW)
+    a, b = _row_sums(torch, block)
+    return Pending(lambda: _to_pairs(a, b))
 
 
 def device_chunk_sums(buf: Any, chunk_bytes: int) -> list[tuple[int, int]]:
     """(s1, s2) of each ``chunk_bytes`` chunk of a uint8 CUDA tensor that holds whole
     chunks back to back (``chunk_bytes`` a multiple of 8 * ROW): one batched reduction."""
-    torch = _torch()
-    n = buf.numel() // chunk_bytes
-    if n == 0:
-        return []
-    block = buf[:n * chunk_bytes].view(torch.int64).view(n, chunk_bytes // 8 // ROW, ROW)
-    a, b = _row_sums(torch, block)
-    return _to_pairs(a, b)
+    return device_chunk_sums_async(buf, chunk_bytes).result()
