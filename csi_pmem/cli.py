@@ -37,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     vsub = vol.add_subparsers(dest="action", required=True)
     c = vsub.add_parser("create", help="CreateVolume")
     c.add_argument("name")
-    c.add_argument("--size", required=True, help="minimum usable size, e.g. 1Gi")
-    c.add_argument("--limit", default="0", help="maximum size (0: none)")
+    c.add_argument("--size", required=True,
+                   help="minimum usable size, a Kubernetes quantity: 1Gi is 1 GiB, 1G is "
+                        "10^9 bytes")
+    c.add_argument("--limit", default="0", help="maximum size, a quantity (0: none)")
     c.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
                    help="StorageClass parameter (deviceMode, numaNode, align, eraseOnDelete)")
     _access_flags(c)
