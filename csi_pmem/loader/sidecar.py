@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from csi_pmem import daxclient, failpoints
+from csi_pmem import daxclient, failpoints, logs
 from csi_pmem.loader import checksum
 from csi_pmem.loader.errors import (
     ChecksumError,
@@ -925,31 +925,11 @@ class Sidecar:
 
 # --- logging and the command line -------------------------------------------------------
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: what log collectors in a cluster parse without rules."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc = {"time": round(record.created, 3), "level": record.levelname.lower(),
-               "logger": record.name, "msg": record.getMessage()}
-        doc.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            doc["exception"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
-
-
-class TextFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        fields = getattr(record, "fields", None) or {}
-        tail = " ".join(f"{k}={v}" for k, v in fields.items())
-        line = f"{record.levelname} {record.getMessage()}" + (f" {tail}" if tail else "")
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
-        return line
-
-
 def configure_logging(fmt: str) -> None:
+    """The project's log format (:mod:`csi_pmem.logs`) on the handlers already set up,
+    at INFO at least: the sidecar's events are what its operators read."""
     root = logging.getLogger()
-    formatter = JsonFormatter() if fmt == "json" else TextFormatter()
+    formatter = logs.formatter(fmt)
     if not root.handlers:
         root.addHandler(logging.StreamHandler(sys.stderr))
     for handler in root.handlers:
