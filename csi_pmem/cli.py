@@ -16,6 +16,11 @@ from csi_pmem import config
 from csi_pmem.errors import CsiPmemError
 
 USER_ERROR = 2
+NOT_INSTALLED = 1
+# What the `driver` extra installs, by top-level module (protobuf is google.protobuf):
+# an install without it (`pip install csi-pmem[loader]`, an inference pod's) runs
+# `serve` and `volume` to a one-line "install csi-pmem[driver]", not a traceback.
+DRIVER_MODULES = ("grpc", "google", "prometheus_client", "pyudev")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     except CsiPmemError as exc:
         print(f"csi-pmem: {exc}", file=sys.stderr)
         return USER_ERROR
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in DRIVER_MODULES:
+            raise
+        print(f"csi-pmem: {args.command} needs the driver's dependencies, and {exc.name} is "
+              "not installed: pip install 'csi-pmem[driver]'", file=sys.stderr)
+        return NOT_INSTALLED
     if result is not None:
         try:
             print(json.dumps(result, indent=2, sort_keys=True))
