@@ -45,13 +45,13 @@ _DECIMAL = {"m": -1, "": 0, "k": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
 _QUANTITY = re.compile(
     r"([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?\d+|m|k|M|G|T|P|E)?")
 # What people type instead: 16GB, 16g, 16gi, 16GiB, 16K.
-_NEAR_MISS = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kKmMgGtTpPeE])(i?)[bB]?", re.IGNORECASE)
+_NEAR_MISS = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgtpe])i?b?", re.IGNORECASE)
 
 _GRAMMAR = ("a Kubernetes quantity: a number with an optional suffix Ki, Mi, Gi, Ti, Pi, Ei "
             "(powers of 1024) or k, M, G, T, P, E (powers of 1000)")
 
 
-def parse_quantity(text: str, what: str = "size") -> int:
+def parse_quantity(text: str) -> int:
     """A byte count from a Kubernetes quantity ("2Gi", "512Mi", "16G", "1.5Gi", "1e9").
 
     Raises :class:`InvalidArgument` naming ``text`` and a good example when the text is
@@ -60,7 +60,7 @@ def parse_quantity(text: str, what: str = "size") -> int:
     raw = str(text)
     m = _QUANTITY.fullmatch(raw.strip())
     if not m:
-        raise InvalidArgument(f"invalid {what} {raw!r}: use {_GRAMMAR}, for example "
+        raise InvalidArgument(f"invalid size {raw!r}: use {_GRAMMAR}, for example "
                               f"{_suggest(raw.strip())}")
     sign, number, suffix = m.group(1), m.group(2), m.group(3) or ""
     value = Fraction(number)
@@ -71,13 +71,13 @@ def parse_quantity(text: str, what: str = "size") -> int:
     else:  # an exponent: e9, E-3
         value *= Fraction(10) ** int(suffix[1:])
     if sign == "-" and value:
-        raise InvalidArgument(f"invalid {what} {raw!r}: a size cannot be negative; for "
+        raise InvalidArgument(f"invalid size {raw!r}: a size cannot be negative; for "
                               f"example {number}{suffix}")
     if value.denominator != 1:
         hint = (f"'m' means milli (a thousandth) in Kubernetes quantities; for {number} "
                 f"mebibytes write {number}Mi" if suffix == "m" else
                 f"for example {math.ceil(value)}")
-        raise InvalidArgument(f"invalid {what} {raw!r}: that is {float(value):g} bytes, not "
+        raise InvalidArgument(f"invalid size {raw!r}: that is {float(value):g} bytes, not "
                               f"a whole number of bytes ({hint})")
     return int(value)
 
@@ -87,8 +87,7 @@ def _suggest(text: str) -> str:
     m = _NEAR_MISS.fullmatch(text)
     if not m:
         return "2Gi"
-    letter = m.group(2).upper()
-    return f"{m.group(1)}{letter}i" if letter != "K" else f"{m.group(1)}Ki"
+    return f"{m.group(1)}{m.group(2).upper()}i"
 
 
 def format_bytes(n: int) -> str:
