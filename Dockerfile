@@ -27,11 +27,11 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY csi_pmem ./csi_pmem
-# The project's wheel and the wheels of its dependencies (grpcio, protobuf,
-# prometheus-client, pyudev; cuda-bindings for the optional GPU copy service container,
-# `csi-pmem gpu-copy`; numpy and safetensors for the weights sidecar, whose wsum64
-# checksums are numpy reductions): the runtime stage installs from these.
-RUN python3 -m pip wheel --wheel-dir /wheels ".[gpu-copy,loader]"
+# The project's wheel and the wheels of its dependencies (the driver extra: grpcio,
+# protobuf, prometheus-client, pyudev; cuda-bindings for the optional GPU copy service
+# container, `csi-pmem gpu-copy`; numpy and safetensors for the weights sidecar, whose
+# wsum64 checksums are numpy reductions): the runtime stage installs from these.
+RUN python3 -m pip wheel --wheel-dir /wheels ".[driver,gpu-copy,loader]"
 
 FROM ${DEBIAN_IMAGE}
 ARG DEBIAN_IMAGE
@@ -56,7 +56,7 @@ RUN apt-get update \
 # so they are not left in a layer), the entry points also on the default PATH.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python3 -m venv /opt/csi-pmem \
- && /opt/csi-pmem/bin/pip install --no-cache-dir --no-index --find-links /wheels "csi-pmem[gpu-copy,loader]" \
+ && /opt/csi-pmem/bin/pip install --no-cache-dir --no-index --find-links /wheels "csi-pmem[driver,gpu-copy,loader]" \
  && /opt/csi-pmem/bin/python -c "import csi_pmem.daxclient, grpc" \
  && ln -s /opt/csi-pmem/bin/csi-pmem /usr/local/bin/csi-pmem \
  && ln -s /opt/csi-pmem/bin/csi-pmem-weights /usr/local/bin/csi-pmem-weights \

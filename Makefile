@@ -33,8 +33,11 @@ check: setup tools proto-check lint deploy-check
 unit: setup
 	$(PY) -m pytest -q -ra tests
 
+# ruff, and the import contracts in pyproject.toml ([tool.importlinter]: the loader needs
+# neither the driver nor grpc; the driver side is layered).
 lint: setup
 	.venv/bin/ruff check csi_pmem tests benchmarks scripts e2e
+	.venv/bin/lint-imports --no-cache
 
 proto: setup
 	$(PY) scripts/gen_proto.py --write

@@ -655,8 +655,9 @@ def stage_volumes(args: argparse.Namespace, src: str) -> list[str]:
 def _stage_file(path: str, src: str) -> Any:
     """A volume file sized for the model (as bench_loader.prepare does), then staged."""
     from csi_pmem.loader import open_volume, stage
-    from csi_pmem.loader.layout import INDEX_AREA, plan_files, round_up
+    from csi_pmem.loader.layout import INDEX_AREA, plan_files
     from csi_pmem.loader.staging import scan_source
+    from csi_pmem.sizes import round_up
 
     need = round_up(max(f.end for f in plan_files(scan_source(src), INDEX_AREA, 2 * MiB)),
                     2 * MiB)

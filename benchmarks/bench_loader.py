@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_model
 
 from csi_pmem.loader import bench, open_model, open_volume, stage, start_load
-from csi_pmem.loader.layout import INDEX_AREA, plan_files, round_up
+from csi_pmem.loader.layout import INDEX_AREA, plan_files
 from csi_pmem.loader.staging import scan_source
+from csi_pmem.sizes import round_up
 
 MiB, GiB = 1 << 20, 1 << 30
 

@@ -16,6 +16,11 @@ from csi_pmem import config
 from csi_pmem.errors import CsiPmemError
 
 USER_ERROR = 2
+NOT_INSTALLED = 1
+# What the `driver` extra installs, by top-level module (protobuf is google.protobuf):
+# an install without it (`pip install csi-pmem[loader]`, an inference pod's) runs
+# `serve` and `volume` to a one-line "install csi-pmem[driver]", not a traceback.
+DRIVER_MODULES = ("grpc", "google", "prometheus_client", "pyudev")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     vsub = vol.add_subparsers(dest="action", required=True)
     c = vsub.add_parser("create", help="CreateVolume")
     c.add_argument("name")
-    c.add_argument("--size", required=True, help="minimum usable size, e.g. 1Gi")
-    c.add_argument("--limit", default="0", help="maximum size (0: none)")
+    c.add_argument("--size", required=True,
+                   help="minimum usable size, a Kubernetes quantity: 1Gi is 1 GiB, 1G is "
+                        "10^9 bytes")
+    c.add_argument("--limit", default="0", help="maximum size, a quantity (0: none)")
     c.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
                    help="StorageClass parameter (deviceMode, numaNode, align, eraseOnDelete)")
     _access_flags(c)
@@ -104,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     except CsiPmemError as exc:
         print(f"csi-pmem: {exc}", file=sys.stderr)
         return USER_ERROR
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in DRIVER_MODULES:
+            raise
+        print(f"csi-pmem: {args.command} needs the driver's dependencies, and {exc.name} is "
+              "not installed: pip install 'csi-pmem[driver]'", file=sys.stderr)
+        return NOT_INSTALLED
     if result is not None:
         try:
             print(json.dumps(result, indent=2, sort_keys=True))

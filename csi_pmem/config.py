@@ -44,7 +44,8 @@ HELP = {
     "metrics_address": "host:port to serve Prometheus /metrics on (empty: off)",
     "log_format": "text or json",
     "log_level": "debug, info, warning or error",
-    "emulated_regions": "emulated pools as NUMA=SIZE pairs, e.g. 0=2Gi,1=2Gi",
+    "emulated_regions": "emulated pools as NUMA=SIZE pairs, e.g. 0=2Gi,1=2Gi (SIZE a "
+                        "Kubernetes quantity, rounded down to 16Mi)",
     "emulated_root": "directory for emulated backing files (tmpfs or hugetlbfs; "
                      "default: <state-dir>/emulated)",
     "emulated_device": "file (hand out the backing file) or loop (hand out a loop device)",

@@ -1,14 +1,13 @@
-"""Domain exceptions and the one table that maps them to gRPC status codes.
+"""The driver's domain exceptions, one class per gRPC status a user can act on.
 
-Why one table: servicers must never invent codes ad hoc, and an unexpected exception
-must never surface as UNKNOWN with a traceback as the message. Everything the driver
-raises on purpose is a subclass of :class:`CsiPmemError`; anything else is a bug and
-becomes INTERNAL with a short, safe message (the traceback goes to the log).
+Standard library only: the common layer (sizes, mounts, runner) raises these, and the
+loader imports that layer, so this module must not import grpc. The one table that maps
+these classes to status codes lives beside the servicers (:mod:`csi_pmem.servicers.status`).
+Everything the driver raises on purpose is a subclass of :class:`CsiPmemError`; anything
+else is a bug and becomes INTERNAL there.
 """
 
 from __future__ import annotations
-
-import grpc
 
 
 class CsiPmemError(Exception):
@@ -62,27 +61,3 @@ class CommandError(BackendError):
             "timed out" if returncode is None else f"exited with status {returncode}")
         tail = stderr.strip().splitlines()[-1] if stderr.strip() else ""
         super().__init__(f"{' '.join(argv[:3])} {detail}" + (f": {tail}" if tail else ""))
-
-
-# The one table. Order does not matter: lookup walks the exception's MRO.
-STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
-    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    Aborted: grpc.StatusCode.ABORTED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-    BackendError: grpc.StatusCode.INTERNAL,
-}
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """Return the gRPC code and user-facing message for ``exc`` (INTERNAL by default)."""
-    for klass in type(exc).__mro__:
-        code = STATUS_CODES.get(klass)
-        if code is not None:
-            return code, str(exc) or klass.__name__
-    return grpc.StatusCode.INTERNAL, (
-        f"internal error ({type(exc).__name__}); see the driver log for details")

@@ -7,11 +7,18 @@ gets at least what it asked for, so it must over-allocate by exactly the metadat
 alignment the kernel will take. The formula mirrors ``nd_pfn_init()`` in
 ``drivers/nvdimm/pfn_devs.c``: an 8 KiB info block, 64 bytes of struct page per 4 KiB
 page, the data offset rounded up to the devdax alignment.
-"""
 
+Every size a user types (``csi-pmem volume create --size``, ``--emulated-regions``,
+``csi-pmem-weights stage --size``) is a Kubernetes quantity read by
+:func:`parse_quantity`, because users write the same numbers in manifests: ``16G`` is
+16·10⁹ bytes, ``16Gi`` is 16 GiB, and ``500m`` is half a byte (refused). Standard
+library only: the weight loader and its CLI share this module with the driver.
+"""
 from __future__ import annotations
 
+import math
 import re
+from fractions import Fraction
 
 from csi_pmem.errors import InvalidArgument
 
@@ -26,21 +33,61 @@ INFO_BLOCK = 8 * KiB
 STRUCT_PAGE = 64
 DEVDAX_ALIGNS = {"2Mi": 2 * MiB, "1Gi": GiB}
 
-_SUFFIX = {
-    "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-    "Ki": KiB, "Mi": MiB, "Gi": GiB, "Ti": TiB,
-}
-_QUANTITY = re.compile(r"^\s*(\d+)\s*(Ki|Mi|Gi|Ti|k|K|M|G|T)?\s*$")
+# Kubernetes' resource.Quantity (k8s.io/apimachinery/pkg/api/resource/quantity.go):
+#   <quantity> ::= <signedNumber><suffix>;  <number> ::= <digits> | <digits>.<digits>
+#                  | <digits>. | .<digits>
+#   <suffix>   ::= <binarySI> | <decimalExponent> | <decimalSI>
+#   <binarySI> ::= Ki | Mi | Gi | Ti | Pi | Ei;  <decimalSI> ::= m | "" | k | M | G | T | P | E
+#   <decimalExponent> ::= "e" <signedNumber> | "E" <signedNumber>
+# No library: the Kubernetes client is far too big a dependency for the loader's pods.
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"m": -1, "": 0, "k": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
+_QUANTITY = re.compile(
+    r"([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?\d+|m|k|M|G|T|P|E)?")
+# What people type instead: 16GB, 16g, 16gi, 16GiB, 16K.
+_NEAR_MISS = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgtpe])i?b?", re.IGNORECASE)
+
+_GRAMMAR = ("a Kubernetes quantity: a number with an optional suffix Ki, Mi, Gi, Ti, Pi, Ei "
+            "(powers of 1024) or k, M, G, T, P, E (powers of 1000)")
 
 
 def parse_quantity(text: str) -> int:
-    """Parse a Kubernetes-style byte quantity ("2Gi", "512Mi", "1000000")."""
-    m = _QUANTITY.match(str(text))
+    """A byte count from a Kubernetes quantity ("2Gi", "512Mi", "16G", "1.5Gi", "1e9").
+
+    Raises :class:`InvalidArgument` naming ``text`` and a good example when the text is
+    not a quantity, is negative, or is not a whole number of bytes ("500m" is 0.5).
+    """
+    raw = str(text)
+    m = _QUANTITY.fullmatch(raw.strip())
     if not m:
-        raise InvalidArgument(
-            f"invalid size {text!r}: use an integer with an optional suffix "
-            "(Ki, Mi, Gi, Ti, K, M, G, T), for example 2Gi")
-    return int(m.group(1)) * _SUFFIX[m.group(2) or ""]
+        raise InvalidArgument(f"invalid size {raw!r}: use {_GRAMMAR}, for example "
+                              f"{_suggest(raw.strip())}")
+    sign, number, suffix = m.group(1), m.group(2), m.group(3) or ""
+    value = Fraction(number)
+    if suffix in _BINARY:
+        value *= 1024 ** _BINARY[suffix]
+    elif suffix in _DECIMAL:
+        value *= Fraction(1000) ** _DECIMAL[suffix]
+    else:  # an exponent: e9, E-3
+        value *= Fraction(10) ** int(suffix[1:])
+    if sign == "-" and value:
+        raise InvalidArgument(f"invalid size {raw!r}: a size cannot be negative; for "
+                              f"example {number}{suffix}")
+    if value.denominator != 1:
+        hint = (f"'m' means milli (a thousandth) in Kubernetes quantities; for {number} "
+                f"mebibytes write {number}Mi" if suffix == "m" else
+                f"for example {math.ceil(value)}")
+        raise InvalidArgument(f"invalid size {raw!r}: that is {float(value):g} bytes, not "
+                              f"a whole number of bytes ({hint})")
+    return int(value)
+
+
+def _suggest(text: str) -> str:
+    """The quantity the user probably meant ("16gb" -> "16Gi"), else a plain example."""
+    m = _NEAR_MISS.fullmatch(text)
+    if not m:
+        return "2Gi"
+    return f"{m.group(1)}{m.group(2).upper()}i"
 
 
 def format_bytes(n: int) -> str:
@@ -52,6 +99,7 @@ def format_bytes(n: int) -> str:
 
 
 def round_up(n: int, align: int) -> int:
+    """``n`` rounded up to a multiple of ``align`` (integers only: no float error)."""
     return -(-n // align) * align
 
 
@@ -70,8 +118,6 @@ def devdax_usable(size: int, align: int) -> int:
 
 def allocation_step(align: int, region_align: int = REGION_ALIGN) -> int:
     """Granularity of namespace sizes: a multiple of both the region and devdax aligns."""
-    import math
-
     return math.lcm(align, region_align)
 
 

@@ -20,23 +20,23 @@ import os
 import sys
 import time
 
+from csi_pmem.errors import InvalidArgument
 from csi_pmem.loader import errors, sidecar, staging
 from csi_pmem.loader.layout import INDEX_AREA, read_index
-from csi_pmem.loader.volume import MiB, format_size, open_volume, volume_image
+from csi_pmem.loader.volume import DEFAULT_ALIGN, format_size, open_volume, volume_image
+from csi_pmem.sizes import MiB, parse_quantity, round_up
 
 EXIT_ERROR, EXIT_MISMATCH = 1, 3
-_UNITS = {"": 1, "K": 1 << 10, "KI": 1 << 10, "M": MiB, "MI": MiB, "G": 1 << 30,
-          "GI": 1 << 30, "T": 1 << 40, "TI": 1 << 40}
+SIZE_HELP = "a Kubernetes quantity: 16Gi is 16 GiB, 16G is 16*10^9 bytes"
 
 
 def parse_size(text: str) -> int:
-    """Binary sizes: "64Mi", "16G" and "16Gi" both mean GiB here (volumes are aligned)."""
-    s = text.strip().upper().removesuffix("B")
-    digits = s.rstrip("KMGTI")
+    """A byte count typed on the command line: a Kubernetes quantity, as in manifests and
+    in ``csi-pmem volume create --size`` (:func:`csi_pmem.sizes.parse_quantity`)."""
     try:
-        return int(digits) * _UNITS[s[len(digits):]]
-    except (ValueError, KeyError) as exc:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 512Mi, 16Gi)") from exc
+        return parse_quantity(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class Progress:
@@ -65,10 +65,13 @@ class Progress:
             print(file=sys.stderr)
 
 
-def _plain_file(path: str, size: int | None) -> None:
-    """Create or grow a plain-file volume when --size is given (tmpfs, hugetlbfs)."""
+def _plain_file(path: str, size: int | None, align: int | None) -> None:
+    """Create or grow a plain-file volume when --size is given (tmpfs, hugetlbfs), to at
+    least ``size`` rounded up to the align (``--size 16G`` is 16*10^9 bytes, no multiple
+    of 2 MiB), as a directory volume's image is."""
     if size is None or volume_image(path) is not None:
         return  # a directory volume's image is sized by open_for_staging
+    size = round_up(size, align or DEFAULT_ALIGN)
     if os.path.exists(path) and not os.path.isfile(path):
         raise errors.VolumeError(f"--size applies to plain files only; {path} is not one")
     with open(path, "ab") as f:
@@ -77,7 +80,7 @@ def _plain_file(path: str, size: int | None) -> None:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    _plain_file(args.volume, args.size)
+    _plain_file(args.volume, args.size, args.align)
     progress = Progress("stage", args.quiet)
     with staging.open_for_staging(args.volume, align=args.align, size=args.size) as vol:
         result = staging.stage(vol, args.src, name=args.name, revision=args.revision,
@@ -193,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="discard everything on the volume first")
     s.add_argument("--size", type=parse_size,
                    help="create/grow a plain-file VOLUME (or a directory VOLUME's image "
-                        "file) to at least SIZE")
-    s.add_argument("--align", type=parse_size, help="override the volume align")
+                        f"file) to at least SIZE ({SIZE_HELP})")
+    s.add_argument("--align", type=parse_size,
+                   help=f"override the volume align, e.g. 2Mi ({SIZE_HELP})")
     common(s, model=False)
     s.set_defaults(func=cmd_stage)
 
@@ -218,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="CPU-path throughput (views, memcpy, verify)")
     b.add_argument("volume", metavar="VOLUME")
     b.add_argument("--buffers", type=int, default=24)
-    b.add_argument("--buffer-size", type=parse_size, default=16 * MiB)
+    b.add_argument("--buffer-size", type=parse_size, default=16 * MiB,
+                   help=f"bounce buffer size (default 16Mi; {SIZE_HELP})")
     b.add_argument("--repeat", type=int, default=3)
     b.add_argument("--json", action="store_true")
     common(b)

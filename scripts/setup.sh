@@ -2,8 +2,8 @@
 # Set up everything the driver and its tests need on a fresh Debian 12 machine:
 # system packages (util-linux for mount/losetup/blkid, e2fsprogs and xfsprogs for fsdax
 # file systems, libudev for pyudev, libpmem for durable stores into device-dax), a virtual
-# environment in .venv with the project and its test extras, pip's cache kept in
-# ~/.cache/pip between runs. Idempotent: a second run only checks.
+# environment in .venv with the project and its driver, test and dev extras, pip's cache
+# kept in ~/.cache/pip between runs. Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,7 +37,7 @@ stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -f "$stamp" ]; then
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test,dev]'
+  .venv/bin/python -m pip install -q -e '.[driver,test,dev]'
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

@@ -868,9 +868,10 @@ def cluster_image_scripts() -> list[Path]:
 
 
 # What both images do after the packages: a venv at /opt/csi-pmem installed from wheels
-# only, and the entry points on the default PATH.
+# only, with the driver extra (grpcio, protobuf, ...: the base install has none), and the
+# entry points on the default PATH.
 INSTALL_STEPS = ("python3 -m venv /opt/csi-pmem", "--no-index --find-links",
-                 "/opt/csi-pmem/bin/csi-pmem /usr/local/bin/csi-pmem")
+                 '/wheels "csi-pmem[driver', "/opt/csi-pmem/bin/csi-pmem /usr/local/bin/csi-pmem")
 
 
 def test_dockerfile_matches_cluster_image() -> None:

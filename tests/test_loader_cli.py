@@ -78,6 +78,24 @@ def test_refusals_are_clear(tmp_path, capsys):
     assert usage.value.code == 2
 
 
+def test_sizes_are_kubernetes_quantities(tmp_path, capsys):
+    """The same grammar as manifests and ``csi-pmem volume create``: 16G is decimal, 16Gi
+    binary, and 500m (a milli-quantity) is refused with the spelling that was meant."""
+    assert weights_cli.parse_size("16G") == 16 * 10**9
+    assert weights_cli.parse_size("16Gi") == 16 << 30
+    vol = tmp_path / "k.img"
+    lm.sharded_model(tmp_path / "src")
+    assert cli("stage", tmp_path / "src", vol, "--size", "64M", "-q") == 0
+    assert vol.stat().st_size == 31 * 2 * lm.MiB  # 64*10^6 rounded up to the 2 MiB align
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as usage:
+        cli("stage", tmp_path / "src", tmp_path / "m.img", "--size", "500m")
+    assert usage.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --size: invalid size '500m'" in err and "500Mi" in err, err
+    assert not (tmp_path / "m.img").exists()
+
+
 def test_bench_cli(tmp_path, capsys):
     lm.sharded_model(tmp_path / "src")
     vol = lm.staged_volume(tmp_path / "src", tmp_path / "vol")

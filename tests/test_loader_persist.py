@@ -178,18 +178,6 @@ def test_a_dax_file_that_refuses_map_sync_is_persisted_with_msync(monkeypatch, t
         assert v.persistence.primitive == "msync"
 
 
-def test_the_loader_imports_without_the_driver_dependencies():
-    code = ("import sys\n"
-            "for m in ('grpc', 'google.protobuf', 'prometheus_client', 'pyudev'):\n"
-            "    sys.modules[m] = None\n"
-            "import csi_pmem.loader, csi_pmem.loader.staging, csi_pmem.loader.sidecar\n"
-            "import csi_pmem.loader.persist, csi_pmem.weights_cli, csi_pmem.daxclient\n"
-            "print('ok')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=REPO, timeout=60)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
-
-
 def test_failpoint_actions_parse():
     assert failpoints._parse("a, b=stall,,c=kill") == {"a": "kill", "b": "stall", "c": "kill"}
     assert failpoints._parse("") == {}

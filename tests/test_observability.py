@@ -59,6 +59,7 @@ def test_json_logs_strip_secrets_and_keep_probe_quiet(driver_factory):
     lines = [json.loads(line) for line in d.log.read_text().splitlines()
              if line.startswith("{")]
     assert lines, "expected JSON log lines"
+    assert all({"ts", "level", "logger", "msg"} <= r.keys() for r in lines), lines
     create = [r for r in lines if r.get("rpc") == "CreateVolume"]
     assert create and create[0]["code"] == "OK" and create[0]["seconds"] >= 0
     assert "hunter2" not in d.log.read_text()

@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -47,6 +48,7 @@ from conftest import mount_cap, needs_root
 
 MiB = lm.MiB
 ROOT = Path(__file__).resolve().parent.parent
+LOG_KEYS = {"ts", "level", "logger", "msg"}
 EXAMPLES = ROOT / "deploy" / "examples"
 
 
@@ -394,6 +396,12 @@ def test_first_start_stages_and_a_restart_is_ready_without_writing(shm, sidecars
     rc, secs = first.terminate()
     assert rc == 0 and secs < 5
     assert not ready_file.exists()
+    # The project's one JSON log schema (csi_pmem.logs), as the driver writes it.
+    listening = first.wait_event("listening")
+    assert LOG_KEYS <= listening.keys() and listening["logger"] == "csi_pmem.loader.sidecar"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", listening["ts"])
+    assert all(LOG_KEYS <= e.keys() for e in first.events), first.events
+    assert not [e for e in first.events if {"time", "exception"} & e.keys()]
 
     generation, digest = index_of(vol).generation, volume_digest(vol)
     mtime = os.stat(vol).st_mtime_ns

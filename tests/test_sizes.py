@@ -32,16 +32,25 @@ def test_allocation_is_minimal_and_sufficient(request, align):
     assert size == step or devdax_usable(size - step, align) < request  # nothing smaller works
 
 
-@pytest.mark.parametrize("text,value", [("2Gi", 2 * GiB), ("512Mi", 512 * MiB), ("1000", 1000),
-                                        ("1G", 10**9), (" 3Ki ", 3072)])
-def test_parse_quantity(text, value):
+@pytest.mark.parametrize("text,value", [
+    ("2Gi", 2 * GiB), ("512Mi", 512 * MiB), ("1000", 1000), ("1G", 10**9), (" 3Ki ", 3072),
+    ("16G", 16 * 10**9), ("16Gi", 16 * GiB), ("1.5Gi", 3 * GiB // 2), ("0.5k", 500),
+    ("1e9", 10**9), ("1E3", 1000), ("2E", 2 * 10**18), ("1Ei", 1 << 60), ("+1k", 1000),
+    ("1.", 1), (".5Ki", 512), ("0", 0), ("2000m", 2)])
+def test_parse_quantity_has_kubernetes_semantics(text, value):
     assert parse_quantity(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "-1Gi", "1.5Gi", "Gi", "1Gb", "1 G i", "1ki"])
-def test_parse_quantity_rejects(text):
-    with pytest.raises(InvalidArgument):
+@pytest.mark.parametrize("text,hint", [
+    ("", "2Gi"), ("-1Gi", "cannot be negative"), ("Gi", "2Gi"), ("1Gb", "1Gi"),
+    ("1 G i", "2Gi"), ("1ki", "1Ki"), ("16g", "16Gi"), ("16GiB", "16Gi"), ("1K", "1Ki"),
+    ("500m", "500Mi"), ("1.0001k", "1001"), ("1e-3", "not a whole number of bytes"),
+    ("lots", "2Gi")])
+def test_parse_quantity_refuses_with_the_value_and_a_good_example(text, hint):
+    with pytest.raises(InvalidArgument) as exc:
         parse_quantity(text)
+    message = str(exc.value)
+    assert f"invalid size {text!r}" in message and hint in message, message
 
 
 def test_format_bytes():

@@ -37,8 +37,9 @@ from typing import Any
 from csi_pmem.gpucopy import protocol
 from csi_pmem.gpucopy.copier import Copier, CopyError, HostCopy
 from csi_pmem.loader.errors import LoaderError
-from csi_pmem.loader.layout import read_index, round_up
+from csi_pmem.loader.layout import read_index
 from csi_pmem.loader.volume import Volume, buffer_address
+from csi_pmem.sizes import round_up
 
 log = logging.getLogger(__name__)
 

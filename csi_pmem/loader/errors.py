@@ -1,8 +1,9 @@
 """Errors of the weight loader, one class per thing a user can act on.
 
-Why not :mod:`csi_pmem.errors`: that module maps errors to gRPC codes and imports grpc,
-and the loader runs inside inference pods, which must not need grpc. Every message says
-what is wrong and what to do; the CLI prints ``str(e)`` and exits non-zero.
+Why not :mod:`csi_pmem.errors`: those classes are the driver's, one per gRPC status a CO
+acts on; a loader user (an inference pod, ``csi-pmem-weights``) acts on other things
+(a volume too small, a model not committed, a checksum). Every message says what is
+wrong and what to do; the CLI prints ``str(e)`` and exits non-zero.
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ from csi_pmem.loader.registered import (
     report_landed,
 )
 from csi_pmem.loader.stformat import TensorInfo
-from csi_pmem.loader.volume import MADV_POPULATE_WRITE, MiB, Volume, format_size, libc
+from csi_pmem.loader.volume import MADV_POPULATE_WRITE, Volume, format_size, libc
+from csi_pmem.sizes import MiB, round_up
 
 log = logging.getLogger(__name__)
 
@@ -346,7 +347,7 @@ def load_bytes(sizes: Iterable[int]) -> int:
     """Device bytes one load of files with these placed sizes takes (see allocate)."""
     total = 0
     for size in sizes:
-        total = planning.round_up(total + size, 4096)
+        total = round_up(total + size, 4096)
     return total
 
 
@@ -365,7 +366,7 @@ def allocate(targets: list[FileTarget], device: Any, arena: Any = None) -> None:
     bases, total = [], 0
     for t in targets:
         bases.append(total)
-        total = planning.round_up(total + t.size, 4096)  # keeps each file's mod-256 layout
+        total = round_up(total + t.size, 4096)  # keeps each file's mod-256 layout
     if arena is not None and arena.numel() >= total:
         whole = arena[:total]  # reserved ahead of the load (GpuLoader.reserve)
     else:
@@ -528,7 +529,7 @@ class GpuLoader:
                 ) -> list[tuple[int, int]]:
         vol = view.volume
         wanted = None if files is None else set(files)
-        return register_pieces([(f.offset, min(vol.size, planning.round_up(f.end, vol.align)))
+        return register_pieces([(f.offset, min(vol.size, round_up(f.end, vol.align)))
                                 for f in view.model.safetensors
                                 if wanted is None or f.name in wanted], self.register_step)
 

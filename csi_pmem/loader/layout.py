@@ -37,7 +37,8 @@ from typing import Any
 
 from csi_pmem import failpoints
 from csi_pmem.loader.errors import LayoutError, NoModelError, VolumeTooSmallError
-from csi_pmem.loader.volume import MiB, Volume, format_size
+from csi_pmem.loader.volume import Volume, format_size
+from csi_pmem.sizes import MiB, round_up
 
 MAGIC = b"CSIPMEMW"
 VERSION = 1
@@ -56,10 +57,6 @@ STAGING = "staging"
 COMMITTED = "committed"
 KIND_SAFETENSORS = "safetensors"
 KIND_AUX = "aux"
-
-
-def round_up(n: int, align: int) -> int:
-    return -(-n // align) * align
 
 
 def chunk_ranges(length: int, chunk: int = CHUNK_SIZE) -> list[tuple[int, int]]:

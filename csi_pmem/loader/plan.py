@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from csi_pmem.loader.stformat import TensorInfo
+from csi_pmem.sizes import round_up
 
 # Device placement keeps each tensor's source offset modulo this, so a tensor aligned
 # for its dtype in the file is aligned on the device too (cudaMalloc gives 256).
@@ -54,10 +55,6 @@ class Chunk:
     dst: int
     nbytes: int
     pieces: tuple[Piece, ...]
-
-
-def round_up(n: int, align: int) -> int:
-    return -(-n // align) * align
 
 
 def place(tensors: list[TensorInfo], granule: int = GRANULE) -> tuple[list[Placement], int]:

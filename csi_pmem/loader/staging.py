@@ -61,9 +61,9 @@ from csi_pmem.loader.volume import (
     format_size,
     open_volume,
     prepare_image,
-    round_up,
     volume_image,
 )
+from csi_pmem.sizes import round_up
 
 log = logging.getLogger(__name__)
 

@@ -47,10 +47,10 @@ from csi_pmem.loader.errors import (
     VolumeTooSmallError,
 )
 from csi_pmem.mountinfo import MountInfo, mountinfo
+from csi_pmem.sizes import MiB, round_up
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 DEFAULT_ALIGN = 2 * MiB
 PAGE = mmap.PAGESIZE
 # Linux 5.14+; Python 3.11's mmap module has no names for them.
@@ -79,10 +79,6 @@ def format_size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit} ({n} bytes)"
     return f"{n} bytes"
-
-
-def round_up(n: int, align: int) -> int:
-    return -(-n // align) * align
 
 
 class _PyBuffer(ctypes.Structure):

@@ -2,7 +2,7 @@
 
 Why a decorator rather than an interceptor: it sees the servicer's method name and the
 parsed request, can strip secrets before logging, and turns every exception into a
-status through the one table in :mod:`csi_pmem.errors` — so no RPC can return
+status through the one table in :mod:`csi_pmem.servicers.status` — so no RPC can return
 UNKNOWN or leak a traceback to the CO.
 """
 
@@ -16,7 +16,8 @@ from collections.abc import Callable
 import grpc
 from google.protobuf import json_format
 
-from csi_pmem.errors import InvalidArgument, status_for
+from csi_pmem.errors import InvalidArgument
+from csi_pmem.servicers.status import status_for
 
 log = logging.getLogger("csi_pmem.rpc")
 QUIET = {"Probe", "NodeGetCapabilities", "GetPluginInfo", "GetPluginCapabilities",

@@ -69,7 +69,7 @@ if [[ ! -f "${app_tar}" ]]; then
   mkdir -p "${w}/src" "${w}/upper" "${w}/work" "${w}/merged"
   (cd "${repo}" && cp -r csi_pmem pyproject.toml README.md "${w}/src/")
   find "${w}/src" -name __pycache__ -prune -exec rm -rf {} +
-  "${repo}/.venv/bin/python" -m pip wheel -q -w "${w}/upper/wheels" "${w}/src" \
+  "${repo}/.venv/bin/python" -m pip wheel -q -w "${w}/upper/wheels" "${w}/src[driver]" \
     > "${idir}/app-${app_key}.log" 2>&1 || { tail -20 "${idir}/app-${app_key}.log" >&2; exit 1; }
   mount -t overlay overlay -o "lowerdir=${base_dir},upperdir=${w}/upper,workdir=${w}/work" \
     "${w}/merged"
@@ -77,7 +77,7 @@ if [[ ! -f "${app_tar}" ]]; then
   chroot "${w}/merged" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root /bin/sh -ec '
     cd /
     python3 -m venv /opt/csi-pmem
-    /opt/csi-pmem/bin/pip install -q --no-cache-dir --no-index --find-links /wheels csi-pmem
+    /opt/csi-pmem/bin/pip install -q --no-cache-dir --no-index --find-links /wheels "csi-pmem[driver]"
     /opt/csi-pmem/bin/python -c "import csi_pmem.daxclient, grpc"
     ln -s /opt/csi-pmem/bin/csi-pmem /usr/local/bin/csi-pmem
     ln -s /opt/csi-pmem/bin/csi-pmem-weights /usr/local/bin/csi-pmem-weights' \

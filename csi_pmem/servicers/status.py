@@ -1,0 +1,48 @@
+"""The one table that maps the driver's exceptions to gRPC status codes.
+
+Why one table: servicers must never invent codes ad hoc, and an unexpected exception
+must never surface as UNKNOWN with a traceback as the message. Everything the driver
+raises on purpose is a subclass of :class:`csi_pmem.errors.CsiPmemError`; anything else
+is a bug and becomes INTERNAL with a short, safe message (the traceback goes to the log).
+Why here and not in :mod:`csi_pmem.errors`: the table needs grpc, the exceptions must
+not (the common layer below the loader raises them).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from csi_pmem.errors import (
+    Aborted,
+    AlreadyExists,
+    BackendError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    Unavailable,
+)
+
+# The one table. Order does not matter: lookup walks the exception's MRO.
+STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    Aborted: grpc.StatusCode.ABORTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    BackendError: grpc.StatusCode.INTERNAL,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Return the gRPC code and user-facing message for ``exc`` (INTERNAL by default)."""
+    for klass in type(exc).__mro__:
+        code = STATUS_CODES.get(klass)
+        if code is not None:
+            return code, str(exc) or klass.__name__
+    return grpc.StatusCode.INTERNAL, (
+        f"internal error ({type(exc).__name__}); see the driver log for details")

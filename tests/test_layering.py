@@ -1,0 +1,139 @@
+"""The loader stands alone: what an inference pod's ``pip install csi-pmem[loader]`` gets.
+
+Why fresh interpreters with a blocking import finder: this venv has the driver's
+dependencies installed, so an import of grpc slipped into the loader would pass every
+other test. Here grpc, google.protobuf, prometheus_client and pyudev (the ``driver``
+extra) raise ImportError as in a loader-only install; the loader, the sidecar and
+``csi-pmem-weights`` must work, and ``csi-pmem serve``/``volume`` must say in one line
+what to install. The same rule is enforced statically by import-linter (``make lint``,
+``[tool.importlinter]`` in pyproject.toml); this proves it at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DRIVER_EXTRA = ("grpc", "google.protobuf", "prometheus_client", "pyudev")
+
+# Installed first in every child: the driver extra cannot be imported.
+BLOCK = f"""
+import importlib.abc, sys
+BLOCKED = {DRIVER_EXTRA!r}
+def _blocked(name):
+    return any(name == b or name.startswith(b + ".") for b in BLOCKED)
+class NoDriverExtra(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if _blocked(name):
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)", name=name)
+        return None
+sys.meta_path.insert(0, NoDriverExtra())
+for _m in [m for m in sys.modules if _blocked(m)]:
+    del sys.modules[_m]
+"""
+
+# The common layer the loader may use (standard library only); nothing else of csi_pmem
+# outside csi_pmem.loader.
+LOADER_MAY_IMPORT = {"csi_pmem", "csi_pmem.errors", "csi_pmem.sizes", "csi_pmem.mountinfo",
+                     "csi_pmem.logs", "csi_pmem.failpoints", "csi_pmem.daxclient",
+                     "csi_pmem.gpucopy", "csi_pmem.gpucopy.protocol", "csi_pmem.gpucopy.cuda",
+                     "csi_pmem.gpucopy.copier", "csi_pmem.weights_cli"}
+# What the loader's GPU paths need and CI may lack; nothing else may be missing.
+OPTIONAL = {"torch", "cuda"}
+
+
+def run_blocked(body: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK + body], capture_output=True,
+                          text=True, cwd=REPO, timeout=timeout)
+
+
+def test_the_blocker_blocks():
+    """Without this the other tests here could not fail: grpc must really be gone."""
+    proc = run_blocked("import grpc\n")
+    assert proc.returncode == 1 and "No module named 'grpc' (blocked)" in proc.stderr
+    proc = run_blocked("from google.protobuf import json_format\n")
+    assert proc.returncode == 1 and "(blocked)" in proc.stderr
+
+
+def test_every_loader_module_imports_without_the_driver_extra():
+    body = f"""
+import importlib, json, pkgutil
+import csi_pmem.loader, csi_pmem.loader.sidecar
+names = sorted(m.name for m in pkgutil.walk_packages(csi_pmem.loader.__path__,
+                                                      "csi_pmem.loader."))
+skipped = {{}}
+for name in names + ["csi_pmem.weights_cli"]:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in {sorted(OPTIONAL)!r}:
+            raise
+        skipped[name] = exc.name
+print(json.dumps({{"names": names, "skipped": skipped,
+                  "loaded": sorted(m for m in sys.modules if m.startswith("csi_pmem"))}}))
+"""
+    proc = run_blocked(body)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    for needed in ("csi_pmem.loader.sidecar.cli", "csi_pmem.loader.sidecar.revision",
+                   "csi_pmem.loader.staging", "csi_pmem.loader.volume"):
+        assert needed in doc["names"] and needed not in doc["skipped"], needed
+    outside = {m for m in doc["loaded"] if not m.startswith("csi_pmem.loader")}
+    assert outside <= LOADER_MAY_IMPORT, sorted(outside - LOADER_MAY_IMPORT)
+
+
+def test_csi_pmem_weights_runs_without_the_driver_extra():
+    body = """
+from csi_pmem import weights_cli
+for argv in (["--help"], ["sidecar", "--help"], ["stage", "--help"]):
+    try:
+        weights_cli.main(argv)
+    except SystemExit as exc:
+        assert exc.code == 0, (argv, exc.code)
+    else:
+        raise AssertionError(f"{argv}: --help did not exit")
+"""
+    proc = run_blocked(body)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: csi-pmem-weights" in proc.stdout and "--verify-on-start" in proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["volume", "list"]])
+def test_the_driver_cli_without_the_driver_extra_says_what_to_install(argv):
+    body = f"""
+import runpy
+sys.argv = ["csi-pmem", *{argv!r}]
+runpy.run_module("csi_pmem", run_name="__main__")
+"""
+    proc = run_blocked(body)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"csi-pmem: {argv[0]} needs the driver"), lines
+    assert "pip install 'csi-pmem[driver]'" in lines[0]
+
+
+def test_the_driver_cli_help_needs_no_driver_extra():
+    proc = run_blocked("""
+import runpy
+sys.argv = ["csi-pmem", "--help"]
+runpy.run_module("csi_pmem", run_name="__main__")
+""")
+    assert proc.returncode == 0 and "usage: csi-pmem" in proc.stdout, proc.stderr
+
+
+def test_the_driver_dependencies_are_an_extra_with_capped_majors():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["dependencies"] == [], "the loader-only install must bring no driver deps"
+    extras = project["optional-dependencies"]
+    driver = {r.split(">")[0].split("<")[0].split("=")[0]: r for r in extras["driver"]}
+    assert set(driver) == {"grpcio", "protobuf", "prometheus-client", "pyudev"}, driver
+    assert "<2" in driver["grpcio"] and "<8" in driver["protobuf"], driver
+    for name in ("loader", "gpu", "gpu-copy"):
+        assert not {"grpcio", "protobuf"} & {r.split(">")[0] for r in extras[name]}, name
