@@ -4,7 +4,7 @@ PY := .venv/bin/python
 RUN_DIR ?= /tmp/csi-pmem
 export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
 
-.PHONY: setup tools run test check unit lint proto proto-check sanity bench clean e2e-vm \
+.PHONY: setup tools run test check check-fast unit lint proto proto-check sanity bench clean e2e-vm \
 	helm-lint deploy deploy-check e2e-cluster
 
 setup:
@@ -26,12 +26,19 @@ run: setup
 # the single-node Kubernetes tier (cold ~14 min for its builds, warm ~2.5 min).
 test: check e2e-vm e2e-cluster
 
-# The host tiers only (about 5 minutes): unit, real gRPC/mounts/cgroups, csi-sanity.
+# The host tiers only (about 5 minutes, as root): the unit tier, then the integration tier
+# (real gRPC, mounts, loop devices, cgroups, csi-sanity).
 check: setup tools proto-check lint deploy-check
 	CSI_SANITY_REQUIRED=1 $(PY) -m pytest -q -ra --durations=15 tests
 
+# Before every commit (.pre-commit-config.yaml runs the same), as an ordinary user, in
+# under a minute: lint and the unit tier.
+check-fast: lint unit
+
+# The unit tier: tests/unit, in-process (the driver over the emulated back end and a fake
+# mounter), no root.
 unit: setup
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra tests/unit
 
 # ruff, and the import contracts in pyproject.toml ([tool.importlinter]: the loader needs
 # neither the driver nor grpc; the driver side is layered).

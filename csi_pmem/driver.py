@@ -44,9 +44,9 @@ from csi_pmem.errors import (
 from csi_pmem.filesystems import Usage
 from csi_pmem.gpucopy.link import ServiceLink
 from csi_pmem.locks import InFlight
+from csi_pmem.mounter import HostMounter, Mounter
 from csi_pmem.node import NodePublisher
 from csi_pmem.node.access import Access
-from csi_pmem.node.busy import umount
 from csi_pmem.node.devdax import DevdaxNode
 from csi_pmem.node.fsdax import FsdaxNode
 from csi_pmem.params import DEVDAX, FSDAX, VolumeParams
@@ -116,7 +116,7 @@ class Driver:
 
     def __init__(self, config: DriverConfig, backend: Backend, store: StateStore,
                  dax: DaxSocketServer, on_erase: Callable[[int, float], None] | None = None,
-                 gpu_copy: ServiceLink | None = None):
+                 gpu_copy: ServiceLink | None = None, mounter: Mounter | None = None):
         self.config = config
         self.backend = backend
         self.store = store
@@ -129,10 +129,12 @@ class Driver:
         self.on_erase = on_erase or (lambda nbytes, seconds: None)
         self.orphans: list[str] = []
         self._kubelet_real = os.path.realpath(config.kubelet_dir)
-        # One publisher per device mode, behind one interface (csi_pmem.node).
+        # One publisher per device mode, behind one interface (csi_pmem.node); what
+        # they do to the host goes through the mounter (a fake in unit tests).
+        mounter = mounter or HostMounter()
         self.nodes: dict[str, NodePublisher] = {
-            DEVDAX: DevdaxNode(backend, store, dax, config.driver_name, gpu_copy),
-            FSDAX: FsdaxNode(backend, store, umount),
+            DEVDAX: DevdaxNode(backend, store, dax, config.driver_name, mounter, gpu_copy),
+            FSDAX: FsdaxNode(backend, store, mounter),
         }
 
     # ------------------------------------------------------------------ capacity

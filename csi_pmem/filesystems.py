@@ -14,6 +14,9 @@ are the same for ext4 and xfs and for the ndctl and emulated back ends.
   holes in its reserved backing file.
 - ``-o dax`` (the legacy spelling of ``dax=always``, accepted by both file systems on
   every kernel with fsdax) is added when the back end says the device supports DAX.
+
+The commands (probe, mkfs) take the runner to use; the node side reaches them through
+:class:`csi_pmem.mounter.HostMounter` (a fake in unit tests).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import os
 import stat
 from dataclasses import dataclass
 
-from csi_pmem import runner
 from csi_pmem.errors import CommandError, FailedPrecondition
+from csi_pmem.runner import Runner
 
 MKFS_TIMEOUT = 600.0
 PROBE_TIMEOUT = 30.0
@@ -45,7 +48,7 @@ class Usage:
     used_inodes: int
 
 
-def probe(device: str) -> dict[str, str]:
+def probe(runner: Runner, device: str) -> dict[str, str]:
     """The signatures ``blkid -p`` finds on ``device`` ({} when it holds none)."""
     try:
         res = runner.run(["blkid", "-p", "-o", "export", device], timeout=PROBE_TIMEOUT)
@@ -61,10 +64,10 @@ def probe(device: str) -> dict[str, str]:
     return found
 
 
-def signature(device: str) -> str | None:
+def signature(runner: Runner, device: str) -> str | None:
     """What ``device`` holds: a file system or partition table type, "unknown" for an
     unnamed signature, None when blkid finds nothing at all."""
-    found = probe(device)
+    found = probe(runner, device)
     if not found:
         return None
     return found.get("TYPE") or found.get("PTTYPE") or "unknown"
@@ -77,7 +80,7 @@ def refuse_other(volume: str, device: str, have: str, fs_type: str) -> FailedPre
         "new volume")
 
 
-def make(device: str, fs_type: str) -> None:
+def make(runner: Runner, device: str, fs_type: str) -> None:
     """mkfs (forced: the caller decided the device holds nothing worth keeping)."""
     try:
         runner.run([*_MKFS[fs_type], device], timeout=MKFS_TIMEOUT)

@@ -6,20 +6,21 @@ tests), and a read-only fsdax Block publication is a read-only loop device over 
 namespace, since binding a device node onto a read-only mount does not stop anyone
 from writing to the device. Several loop devices may sit on one backing file or device
 (two read-only publications of one volume), so listings are keyed by loop device.
+Callers reach these through :class:`csi_pmem.mounter.HostMounter` (a fake in unit tests).
 """
 
 from __future__ import annotations
 
 import logging
 
-from csi_pmem import runner
 from csi_pmem.errors import CommandError, Unavailable
+from csi_pmem.runner import Runner
 
 log = logging.getLogger(__name__)
 TIMEOUT = 30
 
 
-def devices() -> dict[str, str]:
+def devices(runner: Runner) -> dict[str, str]:
     """{loop device: the file or device it is attached to} for every attached loop."""
     out = runner.run_json(["losetup", "--list", "--json", "--output", "NAME,BACK-FILE"],
                           timeout=TIMEOUT)
@@ -28,12 +29,8 @@ def devices() -> dict[str, str]:
             if d.get("back-file")}
 
 
-def attached_to(path: str) -> list[str]:
-    """Every loop device attached to ``path``."""
-    return sorted(name for name, back in devices().items() if back == path)
-
-
-def attach(path: str, *, readonly: bool = False, sizelimit: int | None = None) -> str:
+def attach(runner: Runner, path: str, *, readonly: bool = False,
+           sizelimit: int | None = None) -> str:
     argv = ["losetup", "--find", "--show"]
     if readonly:
         argv.append("--read-only")
@@ -51,6 +48,6 @@ def attach(path: str, *, readonly: bool = False, sizelimit: int | None = None) -
     return device
 
 
-def detach(device: str) -> None:
+def detach(runner: Runner, device: str) -> None:
     runner.run(["losetup", "--detach", device], timeout=TIMEOUT)
     log.info("detached %s", device)

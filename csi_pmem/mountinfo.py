@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MOUNTINFO = "/proc/self/mountinfo"
+
 
 @dataclass(frozen=True)
 class MountInfo:
@@ -52,7 +54,7 @@ def _consistent_read(path: str, attempts: int = 3) -> str:
     return previous
 
 
-def mountinfo(path: str = "/proc/self/mountinfo") -> list[MountInfo]:
+def mountinfo(path: str = MOUNTINFO) -> list[MountInfo]:
     mounts = []
     # Split lines on "\n" and fields on single spaces only: the kernel escapes space,
     # tab, newline and backslash, but other whitespace (\x0b, \x1c, U+2028 ...) appears
@@ -69,10 +71,10 @@ def mountinfo(path: str = "/proc/self/mountinfo") -> list[MountInfo]:
     return mounts
 
 
-def find(target: str) -> MountInfo | None:
+def find(target: str, path: str = MOUNTINFO) -> MountInfo | None:
     """The top-most mount at ``target`` (the last one listed wins), or None."""
     found = None
-    for m in mountinfo():
+    for m in mountinfo(path):
         if m.mount_point == target:
             found = m
     return found

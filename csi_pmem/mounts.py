@@ -10,17 +10,20 @@ populated so nothing in the pod can replace the socket or the metadata.
 fsdax volumes are recognised by device instead: a file system mount by its
 ``major:minor`` in mountinfo, a block device bound onto a target file by the ``st_rdev``
 the target then stats with.
+
+The commands run through the runner they are given: :class:`csi_pmem.mounter.HostMounter`
+is their one caller, and the node side reaches them through it (a fake in unit tests).
 """
 
 from __future__ import annotations
 
 import os
 
-from csi_pmem import runner
 from csi_pmem.errors import FailedPrecondition
 from csi_pmem.mountinfo import MountInfo, find, mountinfo
+from csi_pmem.runner import Runner
 
-__all__ = ["MountInfo", "find", "mountinfo"]  # re-exported: the driver reads them here
+__all__ = ["MountInfo", "find", "mountinfo"]  # re-exported: tests and tools read them here
 
 SOURCE_PREFIX = "csi-pmem:"
 TMPFS_SIZE = "1m"
@@ -31,21 +34,22 @@ def source_for(volume_id: str) -> str:
     return f"{SOURCE_PREFIX}{volume_id}"
 
 
-def mount_tmpfs(target: str, volume_id: str) -> None:
+def mount_tmpfs(runner: Runner, target: str, source: str) -> None:
+    """A tmpfs named ``source`` (:func:`source_for`), just big enough for the metadata."""
     runner.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE},mode=0755,nosuid,nodev,noexec",
-                source_for(volume_id), target], timeout=TIMEOUT)
+                source, target], timeout=TIMEOUT)
 
 
-def remount(target: str, readonly: bool) -> None:
+def remount(runner: Runner, target: str, readonly: bool) -> None:
     mode = "ro" if readonly else "rw"
     runner.run(["mount", "-o", f"remount,{mode}", target], timeout=TIMEOUT)
 
 
-def umount(target: str) -> None:
+def umount(runner: Runner, target: str) -> None:
     runner.run(["umount", target], timeout=TIMEOUT)
 
 
-def mount(device: str, target: str, fstype: str, options: list[str],
+def mount(runner: Runner, device: str, target: str, fstype: str, options: list[str],
           timeout: float = TIMEOUT) -> None:
     argv = ["mount", "-t", fstype]
     if options:
@@ -53,7 +57,7 @@ def mount(device: str, target: str, fstype: str, options: list[str],
     runner.run([*argv, device, target], timeout=timeout)
 
 
-def bind(source: str, target: str, readonly: bool) -> None:
+def bind(runner: Runner, source: str, target: str, readonly: bool) -> None:
     """Bind ``source`` (a directory or a device node) onto ``target``.
 
     A read-only bind needs a second step: the kernel ignores ``ro`` on the bind itself

@@ -23,6 +23,7 @@ from csi_pmem.daxsock import DaxSocketServer
 from csi_pmem.driver import Driver, DriverConfig
 from csi_pmem.gpucopy.link import ServiceLink
 from csi_pmem.metrics import Metrics
+from csi_pmem.mounter import HostMounter, Mounter
 from csi_pmem.servicers import rpc as rpc_module
 from csi_pmem.servicers.controller import ControllerServicer
 from csi_pmem.servicers.identity import IdentityServicer
@@ -32,7 +33,7 @@ from csi_pmem.state import StateStore
 log = logging.getLogger(__name__)
 
 
-def make_backend(cfg: ServeConfig) -> Backend:
+def make_backend(cfg: ServeConfig, mounter: Mounter) -> Backend:
     if cfg.backend == "ndctl":
         from csi_pmem.backends.ndctl import NdctlBackend
 
@@ -40,7 +41,7 @@ def make_backend(cfg: ServeConfig) -> Backend:
     from csi_pmem.backends.emulated import EmulatedBackend, parse_regions
 
     return EmulatedBackend(cfg.emulated_root, parse_regions(cfg.emulated_regions),
-                           device_type=cfg.emulated_device)
+                           device_type=cfg.emulated_device, loops=mounter)
 
 
 def worker_count(cfg: ServeConfig) -> int:
@@ -53,7 +54,8 @@ class Server:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.metrics = Metrics(cfg.driver_name)
-        self.backend = make_backend(cfg)
+        self.mounter = HostMounter()
+        self.backend = make_backend(cfg, self.mounter)
         os.makedirs(cfg.state_dir, exist_ok=True)
         self.dax = DaxSocketServer(on_event=lambda kind, path:
                                    self.metrics.dax_connections.labels(kind).inc())
@@ -62,7 +64,8 @@ class Server:
                          kubelet_dir=cfg.kubelet_dir, erase_threads=cfg.erase_threads or None),
             self.backend, StateStore(cfg.state_dir), self.dax,
             on_erase=self.metrics.observe_erase,
-            gpu_copy=ServiceLink(cfg.gpu_copy_socket) if cfg.gpu_copy_socket else None)
+            gpu_copy=ServiceLink(cfg.gpu_copy_socket) if cfg.gpu_copy_socket else None,
+            mounter=self.mounter)
         self.metrics.watch_pools(self.backend, lambda: self.driver.orphans)
         rpc_module.observers.append(self.metrics.observe_rpc)
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=worker_count(cfg),

@@ -11,7 +11,9 @@ and capacity add up the same way.
 
 ``device_type="loop"`` additionally attaches each file to a loop device and hands out
 the loop device: a real device node, so device-cgroup rules apply to it exactly as to
-``/dev/daxX.Y`` (used by the fd-passing tests).
+``/dev/daxX.Y`` (used by the fd-passing tests). Loop devices come from the
+:class:`~csi_pmem.mounter.LoopDevices` it is given: the host's by default, a fake in
+unit tests (which then need no root).
 
 fsdax namespaces (``<volume id>~<align>.fsdax``) are always attached to a loop device,
 limited to the usable size: a real block device, so kubelet's raw-block path (its own
@@ -29,7 +31,6 @@ import os
 import threading
 from pathlib import Path
 
-from csi_pmem import loops
 from csi_pmem.backends.base import Backend, Namespace, Pool, device_busy
 from csi_pmem.errors import (
     AlreadyExists,
@@ -38,6 +39,7 @@ from csi_pmem.errors import (
     NotFound,
     ResourceExhausted,
 )
+from csi_pmem.mounter import HostMounter, LoopDevices
 from csi_pmem.sizes import REGION_ALIGN, devdax_usable, parse_quantity, round_down
 
 log = logging.getLogger(__name__)
@@ -73,12 +75,13 @@ class EmulatedBackend(Backend):
     zeroes_new_namespaces = True  # fresh files read as zeros; no erase needed on create
 
     def __init__(self, root: str | os.PathLike, regions: dict[int, int],
-                 device_type: str = "file") -> None:
+                 device_type: str = "file", loops: LoopDevices | None = None) -> None:
         if device_type not in ("file", "loop"):
             raise InvalidArgument(f"invalid emulated device type {device_type!r}: file or loop")
         self.root = Path(root)
         self.regions = dict(sorted(regions.items()))
         self.device_type = device_type
+        self.loops = loops or HostMounter()
         # Serialises loop attach/detach with unlinking backing files: listings attach
         # loop devices on demand and run outside the driver's node lock.
         self._lock = threading.Lock()
@@ -135,7 +138,7 @@ class EmulatedBackend(Backend):
         return pools
 
     def namespaces(self) -> list[Namespace]:
-        loops = self._loop_map() if self._has_loops() else {}
+        attached = self._loop_map() if self._has_loops() else {}
         result = []
         for node in self.regions:
             pool = f"region{node}"
@@ -147,7 +150,7 @@ class EmulatedBackend(Backend):
                 usable = devdax_usable(size, align)
                 device = str(path)
                 if self._uses_loop(mode):
-                    device = loops.get(str(path)) or self._attach(path, mode, usable)
+                    device = attached.get(str(path)) or self._attach(path, mode, usable)
                     if not device:
                         continue  # destroyed since the listing
                 result.append(Namespace(name=name, pool=pool, numa_node=node, size=size,
@@ -203,8 +206,9 @@ class EmulatedBackend(Backend):
             return
         with self._lock:  # no listing may re-attach between detach and unlink
             if self._uses_loop(ns.mode):
-                for device in loops.attached_to(ns.handle):
-                    loops.detach(device)
+                for device, back in sorted(self.loops.loop_devices().items()):
+                    if back == ns.handle:
+                        self.loops.detach_loop(device)
             Path(ns.handle).unlink(missing_ok=True)
 
     def open_device(self, ns: Namespace, readonly: bool, exclusive: bool = False) -> int:
@@ -230,10 +234,10 @@ class EmulatedBackend(Backend):
                 return node
         raise InvalidArgument(f"unknown pool {pool!r}")
 
-    @staticmethod
-    def _loop_map() -> dict[str, str]:
+    def _loop_map(self) -> dict[str, str]:
         """{backing file: a loop device attached to it}."""
-        return {back: name for name, back in sorted(loops.devices().items(), reverse=True)}
+        return {back: name for name, back in sorted(self.loops.loop_devices().items(),
+                                                    reverse=True)}
 
     def _has_loops(self) -> bool:
         """Whether any namespace may sit on a loop device (skip losetup otherwise)."""
@@ -250,4 +254,5 @@ class EmulatedBackend(Backend):
                 return existing
             if not path.exists():
                 return None
-            return loops.attach(str(path), sizelimit=usable if mode == "fsdax" else None)
+            return self.loops.attach_loop(str(path),
+                                          sizelimit=usable if mode == "fsdax" else None)

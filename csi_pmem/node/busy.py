@@ -6,8 +6,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from csi_pmem import mounts
 from csi_pmem.errors import CommandError
+from csi_pmem.mounter import Mounter
 
 log = logging.getLogger(__name__)
 
@@ -39,5 +39,5 @@ def while_busy(action: Callable[[], None], what: str) -> None:
         delay = min(delay * 2, 0.1)
 
 
-def umount(target: str) -> None:
-    while_busy(lambda: mounts.umount(target), f"unmounting {target}")
+def umount(mounter: Mounter, target: str) -> None:
+    while_busy(lambda: mounter.umount(target), f"unmounting {target}")

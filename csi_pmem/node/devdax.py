@@ -10,8 +10,10 @@ publication is self-contained, so NodeStageVolume has nothing to do.
 
 The same intent-then-act discipline as every publisher: the record says ``publishing``
 before anything is mounted, and :meth:`DevdaxNode.reconcile` finishes, re-serves or drops
-what a restart or crash left, trusting mountinfo. The caller (the driver) holds the
+what a restart or crash left, trusting the mount table. The caller (the driver) holds the
 volume's in-flight slot and has applied the shared policy (target paths, access modes).
+Mounts go through the :class:`~csi_pmem.mounter.Mounter` it is given (a fake in unit
+tests).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from csi_pmem.daxsock import DaxSocketServer
 from csi_pmem.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from csi_pmem.filesystems import Usage
 from csi_pmem.gpucopy.link import ServiceLink
+from csi_pmem.mounter import Mounter
+from csi_pmem.mountinfo import MountInfo
 from csi_pmem.node.access import Access
 from csi_pmem.node.busy import umount, while_busy
 from csi_pmem.state import (
@@ -46,8 +50,10 @@ GPU_SOCKET_FILE = "gpu.sock"
 
 class DevdaxNode:
     def __init__(self, backend: Backend, store: StateStore, dax: DaxSocketServer,
-                 driver_name: str, gpu_copy: ServiceLink | None = None) -> None:
+                 driver_name: str, mounter: Mounter,
+                 gpu_copy: ServiceLink | None = None) -> None:
         self.backend = backend
+        self.mounter = mounter
         self.store = store
         self.dax = dax
         self.driver_name = driver_name
@@ -67,7 +73,7 @@ class DevdaxNode:
                 staging: str, *, mount_group: int | None, pod_uid: str | None,
                 access_mode: str) -> None:
         pub = rec.publications.get(target)
-        current = mounts.find(target)
+        current = self.mounter.find(target)
         if pub is not None and pub.state == PUBLISHED and current is not None \
                 and current.source == mounts.source_for(rec.id):
             if pub.readonly != readonly or pub.mount_group != mount_group:
@@ -85,7 +91,7 @@ class DevdaxNode:
         try:
             os.makedirs(target, mode=0o750, exist_ok=True)
             if current is None:
-                mounts.mount_tmpfs(target, rec.id)
+                self.mounter.mount_tmpfs(target, mounts.source_for(rec.id))
             failpoints.hit(failpoints.PUBLISH_AFTER_MOUNT)
             self._populate(rec, pub)
         except BaseException:
@@ -101,7 +107,7 @@ class DevdaxNode:
                         "%s gets the device (set podInfoOnMount: true on the CSIDriver)",
                         rec.id, target)
 
-    def _check_target_free(self, vid: str, target: str, current: mounts.MountInfo | None) -> None:
+    def _check_target_free(self, vid: str, target: str, current: MountInfo | None) -> None:
         if current is not None:
             if current.source == mounts.source_for(vid):
                 return  # our own half-finished publish: reuse the mount
@@ -123,9 +129,9 @@ class DevdaxNode:
     def _populate(self, rec: VolumeRecord, pub: Publication) -> None:
         """Write volume.json and serve dax.sock in the target's tmpfs, then seal it."""
         target = pub.target
-        current = mounts.find(target)
+        current = self.mounter.find(target)
         if current is not None and current.readonly:
-            mounts.remount(target, readonly=False)
+            self.mounter.remount(target, readonly=False)
         meta_path = os.path.join(target, METADATA_FILE)
         with open(meta_path, "w") as f:
             json.dump(self._metadata(rec, pub), f, indent=1)
@@ -141,13 +147,13 @@ class DevdaxNode:
             raise FailedPrecondition(f"the device of volume {rec.id} has disappeared")
         readonly = pub.readonly
         sock = os.path.join(pub.target, SOCKET_FILE)
-        if sock in self.dax.paths() and mounts.find(pub.target) is not None \
+        if sock in self.dax.paths() and self.mounter.find(pub.target) is not None \
                 and os.path.exists(sock):
             return
-        current = mounts.find(pub.target)
+        current = self.mounter.find(pub.target)
         sealed = current is not None and current.readonly
         if sealed:
-            mounts.remount(pub.target, readonly=False)
+            self.mounter.remount(pub.target, readonly=False)
         mode, gid = (0o660, pub.mount_group) if pub.mount_group is not None else (0o666, None)
         meta = self._metadata(rec, pub)
         try:
@@ -185,23 +191,21 @@ class DevdaxNode:
             os.close(fd)
 
     def _stop_and_umount(self, vid: str, target: str) -> None:
-        current = mounts.find(target)
+        current = self.mounter.find(target)
         ours = current is not None and current.source == mounts.source_for(vid)
         if ours and current.readonly:
-            mounts.remount(target, readonly=False)  # so the socket file can be removed
+            self.mounter.remount(target, readonly=False)  # so the socket file can be removed
         self.dax.stop(os.path.join(target, SOCKET_FILE))
         self.dax.stop(os.path.join(target, GPU_SOCKET_FILE))
         if ours:
             self._umount(target)
 
-    @staticmethod
-    def _umount(target: str) -> None:
-        umount(target)
+    def _umount(self, target: str) -> None:
+        umount(self.mounter, target)
 
-    @staticmethod
-    def _seal(target: str) -> None:
+    def _seal(self, target: str) -> None:
         """Remount the target's tmpfs read-only (see while_busy for the retries)."""
-        while_busy(lambda: mounts.remount(target, readonly=True), f"sealing {target}")
+        while_busy(lambda: self.mounter.remount(target, readonly=True), f"sealing {target}")
 
     def _undo_publish(self, rec: VolumeRecord, target: str) -> None:
         self._stop_and_umount(rec.id, target)
@@ -217,7 +221,7 @@ class DevdaxNode:
         """Whether ``target`` is a publication of ``rec`` (recorded, or our mount)."""
         if target in rec.publications:
             return True
-        current = mounts.find(target) if os.path.isabs(target) else None
+        current = self.mounter.find(target) if os.path.isabs(target) else None
         return current is not None and current.source == mounts.source_for(rec.id)
 
     def unpublish(self, rec: VolumeRecord, target: str) -> None:
@@ -251,7 +255,7 @@ class DevdaxNode:
 
     def _reconcile_publications(self, rec: VolumeRecord) -> None:
         for target, pub in list(rec.publications.items()):
-            current = mounts.find(target)
+            current = self.mounter.find(target)
             ours = current is not None and current.source == mounts.source_for(rec.id)
             if pub.state == UNPUBLISHING or (pub.state == PUBLISHING and not ours):
                 self._finish_unpublish(rec, target)

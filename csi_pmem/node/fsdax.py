@@ -19,17 +19,17 @@ not through dax.sock (docs/design.md §6.1):
 The same intent-then-act discipline as every publisher (:mod:`csi_pmem.node`): the
 record says ``staging``/``publishing`` before anything is mounted, and
 :meth:`FsdaxNode.reconcile` finishes or drops what a crash interrupted, trusting
-mountinfo for what is mounted. The caller holds the volume's in-flight slot.
+the mount table for what is mounted. The caller holds the volume's in-flight slot.
+Everything done to the host (mounts, loop devices, mkfs, device numbers) goes through
+the :class:`~csi_pmem.mounter.Mounter` it is given (a fake in unit tests).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import stat
-from collections.abc import Callable
 
-from csi_pmem import failpoints, filesystems, loops, mounts
+from csi_pmem import failpoints, filesystems, mounts
 from csi_pmem.backends.base import Backend, Namespace
 from csi_pmem.errors import (
     AlreadyExists,
@@ -39,7 +39,10 @@ from csi_pmem.errors import (
     NotFound,
     Unavailable,
 )
+from csi_pmem.mounter import Mounter
+from csi_pmem.mountinfo import MountInfo
 from csi_pmem.node.access import Access
+from csi_pmem.node.busy import umount
 from csi_pmem.state import (
     BLOCK,
     MOUNT,
@@ -59,11 +62,10 @@ PENDING_VIEW = "pending"  # recorded before a read-only view is attached
 
 
 class FsdaxNode:
-    def __init__(self, backend: Backend, store: StateStore,
-                 umount: Callable[[str], None]) -> None:
+    def __init__(self, backend: Backend, store: StateStore, mounter: Mounter) -> None:
         self.backend = backend
         self.store = store
-        self._umount = umount  # retries while busy (csi_pmem.node.busy.umount)
+        self.mounter = mounter
 
     # ------------------------------------------------------------------ helpers
     def _namespace(self, rec: VolumeRecord) -> Namespace:
@@ -72,38 +74,38 @@ class FsdaxNode:
             raise FailedPrecondition(f"the block device of volume {rec.id} has disappeared")
         return ns
 
-    @staticmethod
-    def _rdev(device: str) -> int:
+    def _umount(self, path: str) -> None:
+        umount(self.mounter, path)  # retries while busy
+
+    def _rdev(self, device: str) -> int:
         try:
-            st = os.stat(device)
+            rdev = self.mounter.device_number(device)
         except FileNotFoundError as exc:
             raise FailedPrecondition(f"device {device} does not exist; is /dev the host's "
                                      "/dev in this container?") from exc
-        if not stat.S_ISBLK(st.st_mode):
+        if rdev is None:
             raise FailedPrecondition(f"{device} is not a block device")
-        return st.st_rdev
+        return rdev
 
-    @staticmethod
-    def _fs_mounted(path: str, rdev: int) -> mounts.MountInfo | None:
+    def _fs_mounted(self, path: str, rdev: int) -> MountInfo | None:
         """The mount at ``path`` if it is a file system on device ``rdev``."""
-        current = mounts.find(path)
+        current = self.mounter.find(path)
         if current is not None and current.dev == mounts.dev_of(rdev):
             return current
         return None
 
-    @staticmethod
-    def _device_bound(path: str, rdev: int) -> mounts.MountInfo | None:
+    def _device_bound(self, path: str, rdev: int) -> MountInfo | None:
         """The mount at ``path`` if it is device ``rdev`` bound onto a file."""
-        current = mounts.find(path)
+        current = self.mounter.find(path)
         if current is None:
             return None
         try:
-            st = os.stat(path)
+            bound = self.mounter.device_number(path)
         except OSError:
             return None
-        return current if stat.S_ISBLK(st.st_mode) and st.st_rdev == rdev else None
+        return current if bound == rdev else None
 
-    def _ours(self, pub: Publication, rdev: int) -> mounts.MountInfo | None:
+    def _ours(self, pub: Publication, rdev: int) -> MountInfo | None:
         if pub.kind == BLOCK:
             if pub.view:
                 view = self._view_rdev(pub.view)
@@ -111,13 +113,11 @@ class FsdaxNode:
             return self._device_bound(pub.target, rdev)
         return self._fs_mounted(pub.target, rdev)
 
-    @staticmethod
-    def _view_rdev(view: str) -> int | None:
+    def _view_rdev(self, view: str) -> int | None:
         try:
-            st = os.stat(view)
+            return self.mounter.device_number(view)
         except OSError:
             return None
-        return st.st_rdev if stat.S_ISBLK(st.st_mode) else None
 
     def _detach_view(self, rec: VolumeRecord, pub: Publication, device: str) -> None:
         """Detach a read-only view, after checking it still sits on our device.
@@ -126,20 +126,20 @@ class FsdaxNode:
         loop device it got) is found as a loop device on our device that no other
         publication of this volume names: nothing else puts loop devices on ours.
         """
-        attached = loops.devices()
+        attached = self.mounter.loop_devices()
         if pub.view == PENDING_VIEW:
             named = {p.view for p in rec.publications.values()}
             for name, back in attached.items():
                 if back == device and name not in named:
-                    loops.detach(name)
+                    self.mounter.detach_loop(name)
         elif pub.view and attached.get(pub.view) == device:
-            loops.detach(pub.view)
+            self.mounter.detach_loop(pub.view)
 
     def _refuse_blind(self, rec: VolumeRecord, path: str, recorded: bool) -> None:
         """Without the device the driver cannot tell whether a mount at ``path`` is the
         volume's: it must neither drop the record of a mount that may be live (a later
         DeleteVolume would erase under it) nor unmount what may be someone else's."""
-        if recorded and mounts.find(path) is not None:
+        if recorded and self.mounter.find(path) is not None:
             raise Unavailable(
                 f"the device of volume {rec.id} cannot be found (namespace disabled, or "
                 f"/dev not the host's?), so the mount at {path} cannot be checked; try "
@@ -176,7 +176,7 @@ class FsdaxNode:
                         "before staging with other settings")
                 return
         else:
-            current = mounts.find(path)
+            current = self.mounter.find(path)
             if current is not None:
                 raise FailedPrecondition(
                     f"staging path {path} is already a mount point ({current.fstype} from "
@@ -206,7 +206,7 @@ class FsdaxNode:
         the first successful mount, so a retry after a crash or timeout formats again
         instead of tripping over a half-written signature."""
         os.makedirs(path, mode=0o750, exist_ok=True)
-        have = filesystems.signature(ns.device)
+        have = self.mounter.fs_signature(ns.device)
         if rec.formatting or have is None:
             if rec.block_used and not rec.formatting:
                 raise FailedPrecondition(
@@ -215,7 +215,7 @@ class FsdaxNode:
                     "volumeMode: Block, or make a file system on it yourself")
             rec.formatting = True
             self.store.put(rec)
-            filesystems.make(ns.device, access.fs_type)
+            self.mounter.make_fs(ns.device, access.fs_type)
             log.info("made %s on %s for volume %s", access.fs_type, ns.device, rec.id)
             failpoints.hit(failpoints.STAGE_AFTER_MKFS)
         elif have != access.fs_type:
@@ -228,15 +228,15 @@ class FsdaxNode:
     def _mount(self, rec: VolumeRecord, ns: Namespace, path: str, access: Access) -> None:
         options = filesystems.mount_options(ns.fs_dax, list(access.mount_flags))
         try:
-            mounts.mount(ns.device, path, access.fs_type, options)
+            self.mounter.mount(ns.device, path, access.fs_type, options)
             return
         except CommandError as exc:
             failure = exc
         if access.mount_flags:
             # Blame the class's mountOptions only if the mount works without them.
             try:
-                mounts.mount(ns.device, path, access.fs_type,
-                             filesystems.mount_options(ns.fs_dax, []))
+                self.mounter.mount(ns.device, path, access.fs_type,
+                                   filesystems.mount_options(ns.fs_dax, []))
             except CommandError:
                 pass
             else:
@@ -302,9 +302,9 @@ class FsdaxNode:
                 if readonly:
                     pub.view = PENDING_VIEW
                     self.store.put(rec)
-                    pub.view = source = loops.attach(ns.device, readonly=True)
+                    pub.view = source = self.mounter.attach_loop(ns.device, readonly=True)
                 self.store.put(rec)
-            mounts.bind(source, target, readonly)
+            self.mounter.bind(source, target, readonly)
         except BaseException:
             if created:
                 _remove(target)
@@ -330,9 +330,8 @@ class FsdaxNode:
                 f"volume {rec.id} is not staged at {staging}; call NodeStageVolume first")
         return staging
 
-    @staticmethod
-    def _refuse_mount_point(target: str) -> None:
-        current = mounts.find(target)
+    def _refuse_mount_point(self, target: str) -> None:
+        current = self.mounter.find(target)
         if current is not None:
             raise FailedPrecondition(
                 f"target {target} is already a mount point ({current.fstype} from "
@@ -374,7 +373,7 @@ class FsdaxNode:
             ns = self.backend.get(rec.id)
             if ns is not None:
                 self._detach_view(rec, pub, ns.device)
-        if mounts.find(target) is None:
+        if self.mounter.find(target) is None:
             _remove(target)
         rec.publications.pop(target, None)
         self.store.put(rec)
@@ -405,11 +404,11 @@ class FsdaxNode:
                 return None  # the raw figures; the volume condition says what is wrong
             raise NotFound(f"the block device of volume {rec.id} has disappeared")
         try:
-            st = os.stat(path)
+            here = self.mounter.device_number(path)
         except FileNotFoundError as exc:
             raise NotFound(f"volume path {path} does not exist") from exc
         views = {self._view_rdev(p.view) for p in rec.publications.values() if p.view}
-        if stat.S_ISBLK(st.st_mode) and (st.st_rdev == rdev or st.st_rdev in views):
+        if here is not None and (here == rdev or here in views):
             return None
         if self._fs_mounted(path, rdev) is not None:
             return filesystems.usage(path)

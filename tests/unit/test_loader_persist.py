@@ -28,7 +28,7 @@ from csi_pmem.loader.volume import Volume, _map, open_volume
 import loader_models as lm
 
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[1]
+REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 
 
 class DevdaxLikeMapping(mmap.mmap):

@@ -16,7 +16,7 @@ from csi_pmem.loader.stformat import read_header_file
 
 import loader_models as lm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 
 
 def cli(*argv: str) -> int:

@@ -1,0 +1,176 @@
+"""The driver in this process, as an ordinary user: servicers, Driver, the emulated back
+end and the fake mounter, with the helpers of ``conftest.DriverProcess``.
+
+Why in-process: the node logic (idempotency, access modes, targets, reconcile) is the
+driver's own, and the kernel's part is what :class:`fake_mounter.FakeMounter` stands in
+for (``tests/test_mounter_contract.py`` holds it to the kernel). Calls go through the
+real servicers with a context whose ``abort`` raises an :class:`grpc.RpcError`, so a test
+sees the status code and message a CO would. A restart is a new Driver over the same
+state, pools and "kernel" (the fake keeps its mounts, as the host does); a reboot also
+forgets the mounts and loop devices.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from csi_pmem.backends.emulated import EmulatedBackend
+from csi_pmem.csi import csi_pb2
+from csi_pmem.daxsock import DaxSocketServer
+from csi_pmem.driver import Driver, DriverConfig
+from csi_pmem.servicers.controller import ControllerServicer
+from csi_pmem.servicers.identity import IdentityServicer
+from csi_pmem.servicers.node import POD_UID_KEY, NodeServicer
+from csi_pmem.state import StateStore
+
+from conftest import MiB, mount_cap
+from fake_mounter import FakeMounter
+
+DRIVER_NAME = "pmem-csi.example.com"
+NODE_ID = "unit-node"
+
+
+class Aborted(grpc.RpcError):
+    """What ``context.abort`` raises, shaped like the error a gRPC client gets."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Context:
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise Aborted(code, details)
+
+
+class _Stub:
+    """servicer.Method(request, timeout=...) -> the response, or Aborted."""
+
+    def __init__(self, servicer) -> None:
+        self._servicer = servicer
+
+    def __getattr__(self, name: str):
+        method = getattr(self._servicer, name)
+        return lambda request, timeout=None: method(request, _Context())
+
+
+class InProcessNode:
+    """One node: the base directory holds kubelet/, state/, pools/ and the fake's host/."""
+
+    def __init__(self, regions: dict[int, int] | None = None) -> None:
+        # Short: dax.sock paths below the kubelet dir must fit a unix socket address.
+        self.base = Path(tempfile.mkdtemp(prefix="csiu-"))
+        self.kubelet = self.base / "kubelet"
+        self.kubelet.mkdir()
+        self.state = self.base / "state"
+        self.regions = regions or {0: 512 * MiB, 1: 512 * MiB}
+        self.fake = FakeMounter(self.base / "host")
+        # The dax.sock server reads a peer's /proc/<pid>/cgroup here (see pod()).
+        self.proc = self.base / "proc"
+        self.proc.mkdir()
+        self.driver: Driver | None = None
+        self.start()
+
+    # -- life cycle -------------------------------------------------------------------
+    def start(self) -> InProcessNode:
+        self.backend = EmulatedBackend(self.base / "pools", self.regions, loops=self.fake)
+        self.dax = DaxSocketServer(proc_root=str(self.proc))
+        self.driver = Driver(DriverConfig(driver_name=DRIVER_NAME, node_id=NODE_ID,
+                                          kubelet_dir=str(self.kubelet)),
+                             self.backend, StateStore(str(self.state)), self.dax,
+                             mounter=self.fake)
+        self.driver.reconcile()
+        self.controller = _Stub(ControllerServicer(self.driver))
+        self.node = _Stub(NodeServicer(self.driver))
+        self.identity = _Stub(IdentityServicer(DRIVER_NAME, self.backend.probe))
+        return self
+
+    def stop(self) -> None:
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    def restart(self) -> InProcessNode:
+        """A new driver process: state, pools and mounts stay."""
+        self.stop()
+        return self.start()
+
+    def reboot(self) -> InProcessNode:
+        """The node restarts: mounts and loop devices are gone too."""
+        self.stop()
+        self.fake.reboot()
+        return self.start()
+
+    def pod(self, uid: str) -> None:
+        """Make this process look like a container of pod ``uid`` to dax.sock."""
+        mine = self.proc / str(os.getpid())
+        mine.mkdir(exist_ok=True)
+        (mine / "cgroup").write_text(f"0::/kubepods/burstable/pod{uid}/container\n")
+
+    # -- paths ------------------------------------------------------------------------
+    def target(self, name: str) -> str:
+        return str(self.kubelet / "pods" / name / "mount")
+
+    def staging(self, name: str) -> str:
+        return str(self.kubelet / "staging" / name / "globalmount")
+
+    def block_target(self, pod: str) -> str:
+        """Like kubelet: the parent exists, the driver creates the file."""
+        parent = self.kubelet / "devices" / pod
+        parent.mkdir(parents=True, exist_ok=True)
+        return str(parent / "dev")
+
+    # -- RPCs, with the defaults of conftest.DriverProcess ------------------------------
+    def create(self, name: str, size: int = 64 * MiB, limit: int = 0, params=None,
+               caps=None) -> csi_pb2.CreateVolumeResponse:
+        return self.controller.CreateVolume(csi_pb2.CreateVolumeRequest(
+            name=name, capacity_range=csi_pb2.CapacityRange(required_bytes=size,
+                                                            limit_bytes=limit),
+            volume_capabilities=caps or [mount_cap()], parameters=params or {}))
+
+    def delete(self, volume_id: str) -> None:
+        self.controller.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=volume_id))
+
+    def stage(self, volume_id: str, path: str, cap=None) -> None:
+        self.node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
+            volume_id=volume_id, staging_target_path=path,
+            volume_capability=cap or mount_cap()))
+
+    def unstage(self, volume_id: str, path: str) -> None:
+        self.node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(
+            volume_id=volume_id, staging_target_path=path))
+
+    def publish(self, volume_id: str, target: str, readonly: bool = False, cap=None,
+                staging: str = "", pod_uid: str = "") -> None:
+        context = {POD_UID_KEY: pod_uid} if pod_uid else {}
+        self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
+            volume_id=volume_id, target_path=target, readonly=readonly,
+            volume_capability=cap or mount_cap(), volume_context=context,
+            staging_target_path=staging))
+
+    def unpublish(self, volume_id: str, target: str) -> None:
+        self.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
+            volume_id=volume_id, target_path=target))
+
+    def stats(self, volume_id: str, path: str) -> csi_pb2.NodeGetVolumeStatsResponse:
+        return self.node.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(
+            volume_id=volume_id, volume_path=path))
+
+    def record(self, volume_id: str):
+        assert self.driver is not None
+        return self.driver.store.get(volume_id)
