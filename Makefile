@@ -40,11 +40,13 @@ check-fast: lint unit
 unit: setup
 	$(PY) -m pytest -q -ra tests/unit
 
-# ruff, and the import contracts in pyproject.toml ([tool.importlinter]: the loader needs
-# neither the driver nor grpc; the driver side is layered).
+# ruff, mypy ([tool.mypy]) and the import contracts in pyproject.toml
+# ([tool.importlinter]: the loader needs neither the driver nor grpc; the driver side
+# is layered).
 lint: setup
 	.venv/bin/ruff check csi_pmem tests benchmarks scripts e2e
 	.venv/bin/lint-imports --no-cache
+	.venv/bin/mypy
 
 proto: setup
 	$(PY) scripts/gen_proto.py --write

@@ -410,10 +410,6 @@ class Driver:
         with self.inflight.hold(vid, "NodePublishVolume"):
             rec = self.get(vid)
             self._check_single_writer(rec, target, readonly, access_mode)
-            if rec.device_mode == FSDAX and access is None:
-                raise InvalidArgument(
-                    f"volume {vid} is an fsdax volume: say whether to publish it as a "
-                    "block device or a file system")
             # Only fsdax file systems are staged; a devdax publish ignores the path.
             staging = self.check_target(staging) if staging and rec.device_mode == FSDAX \
                 else ""

@@ -52,7 +52,7 @@ class VolumeParams:
         volume is on (also when it was created with auto and landed there).
         """
         want = self.to_dict()
-        have = dict(stored)
+        have: dict[str, str | None] = dict(stored)
         have[NUMA_NODE] = have.get(NUMA_NODE) if numa_node is None else str(numa_node)
         if self.numa_node is None:
             want.pop(NUMA_NODE)

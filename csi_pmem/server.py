@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -29,6 +30,9 @@ from csi_pmem.servicers.controller import ControllerServicer
 from csi_pmem.servicers.identity import IdentityServicer
 from csi_pmem.servicers.node import NodeServicer
 from csi_pmem.state import StateStore
+
+if TYPE_CHECKING:
+    from csi_pmem.udev import DeviceWatcher  # imported when started: it needs pyudev
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +78,7 @@ class Server:
             IdentityServicer(cfg.driver_name, self.backend.probe), self.grpc)
         csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self.driver), self.grpc)
         csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self.driver), self.grpc)
-        self.watcher = None
+        self.watcher: DeviceWatcher | None = None
         self._stopped = threading.Event()
 
     def start(self) -> None:
@@ -118,8 +122,9 @@ class Server:
                     abnormal.discard(rec.id)
                     log.info("volume %s is healthy again: %s", rec.id, cond.message)
 
-        self.watcher = DeviceWatcher(changed, poll_interval=self.cfg.device_poll_seconds)
-        self.watcher.start()
+        watcher = DeviceWatcher(changed, poll_interval=self.cfg.device_poll_seconds)
+        watcher.start()
+        self.watcher = watcher
 
     def wait(self) -> None:
         self._stopped.wait()

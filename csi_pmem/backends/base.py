@@ -129,8 +129,8 @@ class Backend(abc.ABC):
 
         return os.path.exists(ns.device)
 
-    def invalidate(self) -> None:
+    def invalidate(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
         """Forget cached listings (called on device events); no-op without a cache."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
         """Release resources (threads, caches). Namespaces stay."""

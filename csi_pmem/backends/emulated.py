@@ -150,9 +150,10 @@ class EmulatedBackend(Backend):
                 usable = devdax_usable(size, align)
                 device = str(path)
                 if self._uses_loop(mode):
-                    device = attached.get(str(path)) or self._attach(path, mode, usable)
-                    if not device:
+                    loop = attached.get(str(path)) or self._attach(path, mode, usable)
+                    if not loop:
                         continue  # destroyed since the listing
+                    device = loop
                 result.append(Namespace(name=name, pool=pool, numa_node=node, size=size,
                                         usable_size=usable, align=align, device=device,
                                         handle=str(path), mode=mode, fs_dax=False))

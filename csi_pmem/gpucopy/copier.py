@@ -113,7 +113,8 @@ class FakeCopier:
                             f"{size} bytes the request names")
         return FakeTarget(fd, size, gpu)
 
-    def enqueue(self, target: FakeTarget, copies: Sequence[HostCopy]) -> list[Any]:
+    def enqueue(self, target: Target, copies: Sequence[HostCopy]) -> list[Any]:
+        assert isinstance(target, FakeTarget), "a target of another copier"
         for i, (_, dst, n) in enumerate(copies):
             if dst + n > target.size:
                 raise CopyError(f"copy #{i} ends past the allocation")

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from csi_pmem.gpucopy.copier import CopyError, HostCopy
+from csi_pmem.gpucopy.copier import CopyError, HostCopy, Target
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class CudaTarget:
 
     @property
     def address(self) -> int:
+        assert self.ptr is not None, "the allocation is closed"
         return int(self.ptr)
 
     def stream(self) -> Any:
@@ -180,7 +181,8 @@ class CudaCopier:
                             f"{', '.join(self._uuids) or 'none'})")
         return CudaTarget(self, fd, size, gpu)
 
-    def enqueue(self, target: CudaTarget, copies: Sequence[HostCopy]) -> list[Any]:
+    def enqueue(self, target: Target, copies: Sequence[HostCopy]) -> list[Any]:
+        assert isinstance(target, CudaTarget), "a target of another copier"
         cu = self.cu
         self.make_current(target.ordinal)
         stream = target.stream()

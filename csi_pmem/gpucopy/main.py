@@ -37,10 +37,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from csi_pmem import logs
-    from csi_pmem.gpucopy.copier import CopyError, FakeCopier
+    from csi_pmem.gpucopy.copier import Copier, CopyError, FakeCopier
     from csi_pmem.gpucopy.service import CopyService
 
     logs.setup(args.log_format, args.log_level)
+    copier: Copier
     try:
         if args.copier == "fake":
             copier = FakeCopier(delay=args.fake_delay)

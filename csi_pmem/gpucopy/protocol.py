@@ -85,7 +85,7 @@ def parse_copy_request(doc: Any, volume_size: int) -> CopyRequest:
     gpu, size, copies = doc.get("gpu"), doc.get("size"), doc.get("copies")
     if not isinstance(gpu, str) or not gpu:
         raise ProtocolError("the copy request names no GPU (its UUID, GPU-...)")
-    if not _uint(size) or size == 0:
+    if not isinstance(size, int) or not _uint(size) or size == 0:
         raise ProtocolError(f"the copy request has an invalid allocation size {size!r}")
     if not isinstance(copies, list):
         raise ProtocolError("the copy request has no copy list")

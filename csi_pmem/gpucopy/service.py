@@ -127,7 +127,7 @@ class VolumeState:
         return [(self.address + c.src, c.dst, c.nbytes) for c in request.copies]
 
     @contextlib.contextmanager
-    def in_use(self):  # type: ignore[no-untyped-def]
+    def in_use(self):
         with self._lock:
             if self._closed:
                 raise CopyError(f"volume {self.id} is being released on this node")

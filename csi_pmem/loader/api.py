@@ -213,10 +213,16 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
         if plans:
             from csi_pmem.loader.gpuverify import DeviceVerifier
 
+            assert gpu is not None  # device plans exist only for GPU loads
             verifier = DeviceVerifier(view, plans, gpu.device, joined.part)
             on_data = verifier.submit
-            handle.done.add_done_callback(
-                lambda f: f.exception() and verifier.fail(f.exception()))
+
+            def stop_verifier(f: Future[Any]) -> None:
+                exc = f.exception()
+                if exc is not None:
+                    verifier.fail(exc)
+
+            handle.done.add_done_callback(stop_verifier)
     else:
         handle.verified.set_result(None)
     if prefault:
@@ -237,6 +243,8 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
             handle._fail(exc)
             raise
         return handle
+
+    assert gpu is not None  # the CPU returned above
 
     def run() -> None:
         try:

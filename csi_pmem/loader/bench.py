@@ -97,7 +97,7 @@ def run_cpu(view: ModelView, *, threads: int = 12, buffers: int = 24,
     backend = _HostBackend(buffers, buffer_size, None)
     pipe = BouncePipeline(backend, buffers, buffer_size, nthreads, cpus=cpus)
     try:
-        chunks = []
+        chunks: list[plan.Chunk] = []
         for i, ts in enumerate(selection.values()):
             placements, _ = plan.place(ts)
             chunks += plan.bounce_chunks(placements, buffer_size, i, len(chunks))

@@ -29,10 +29,10 @@ def numpy_view(volume: Volume, t: TensorInfo) -> Any:
     import numpy as np
 
     if t.dtype in SUB_BYTE:
-        return np.frombuffer(volume.mapping, np.uint8, t.nbytes, t.offset)
+        return np.frombuffer(volume.mapped, np.uint8, t.nbytes, t.offset)
     dtype = np.dtype(NUMPY_DTYPE[t.dtype])
     count = t.nbytes // dtype.itemsize
-    return np.frombuffer(volume.mapping, dtype, count, t.offset).reshape(t.shape)
+    return np.frombuffer(volume.mapped, dtype, count, t.offset).reshape(t.shape)
 
 
 def torch_dtype(name: str) -> Any:
@@ -53,7 +53,7 @@ def torch_view(volume: Volume, t: TensorInfo) -> Any:
     # Through numpy, not torch.frombuffer: a numpy array holds a buffer export of the
     # mapping, so Volume.close() cannot unmap it under the tensor; torch.frombuffer
     # only keeps a reference and would leave the tensor dangling after close().
-    raw = np.frombuffer(volume.mapping, np.uint8, t.nbytes, t.offset)
+    raw = np.frombuffer(volume.mapped, np.uint8, t.nbytes, t.offset)
     with warnings.catch_warnings():
         # PROT_READ on purpose; torch warns that it cannot protect the buffer.
         warnings.filterwarnings("ignore", message=".*not writable.*")

@@ -106,8 +106,13 @@ def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
         start = max(off, ds)
         if start < off + n:
             part = wsum.device_sums_async(dev(start, off + n))
-            parts.append(lambda part=part, words=(start - off) // 8:
-                         wsum.shift(*part.result(), words))
+
+            def shifted(part: wsum.Pending = part, words: int = (start - off) // 8
+                        ) -> tuple[int, int]:
+                s1, s2 = part.result()
+                return wsum.shift(s1, s2, words)
+
+            parts.append(shifted)
         got[i] = lambda parts=parts: wsum.combine(*(p() for p in parts))
 
     def mismatches() -> list[checksum.Mismatch]:

@@ -33,7 +33,7 @@ import posixpath
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from csi_pmem import failpoints
 from csi_pmem.loader.errors import LayoutError, NoModelError, VolumeTooSmallError
@@ -185,7 +185,7 @@ def _interrupted(model: ModelEntry) -> str:
 
 # --- serialisation -----------------------------------------------------------------
 
-def _safe_name(name: Any) -> bool:
+def _safe_name(name: Any) -> TypeGuard[str]:
     if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
         return False
     if name.startswith("/") or posixpath.normpath(name) != name:

@@ -202,6 +202,7 @@ class ExportableAllocation:
 
     @property
     def address(self) -> int:
+        assert self.ptr is not None, "the allocation is closed"
         return int(self.ptr)
 
     @property

@@ -129,7 +129,7 @@ def direct_chunks(placements: list[Placement], max_bytes: int, boundaries: list[
                   target: int = 0, first_seq: int = 0) -> list[Chunk]:
     """Transfers straight from a registered mapping, never crossing a registration
     boundary (a copy spanning two registrations would not be treated as pinned)."""
-    out = []
+    out: list[Chunk] = []
     for src, dst, n in _split(runs(placements), max_bytes, sorted(boundaries)):
         out.append(Chunk(first_seq + len(out), target, dst, n, (Piece(src, 0, n),)))
     return out

@@ -65,7 +65,7 @@ class Registration:
             0 if volume.writable else HOST_REGISTER_READ_ONLY)
         # A buffer export: the volume cannot be unmapped while pieces are registered
         # (torch.frombuffer alone keeps only a reference, which close() ignores).
-        self._export: memoryview | None = memoryview(volume.mapping)
+        self._export: memoryview | None = memoryview(volume.mapped)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not writable.*")
             self.source = torch.frombuffer(self._export, dtype=torch.uint8)

@@ -158,6 +158,13 @@ class Volume:
             raise VolumeError(f"volume {self.source} is closed")
         return self._view
 
+    @property
+    def mapped(self) -> mmap.mmap:
+        """The mapping itself (numpy and torch take it as a buffer); raises once closed."""
+        if self.mapping is None:
+            raise VolumeError(f"volume {self.source} is closed")
+        return self.mapping
+
     def view(self, offset: int, length: int) -> memoryview:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise VolumeError(f"range [{offset}, {offset + length}) is outside the volume "

@@ -159,7 +159,7 @@ def device_sums_async(buf: Any) -> Pending:
     torch = _torch()
     n = buf.numel()
     full = n // 8
-    words = buf[:full * 8].view(torch.int64) if full else None
+    words = buf[:full * 8].view(torch.int64)
     parts: list[Any] = []
     rows = full // ROW
     if rows:

@@ -193,7 +193,7 @@ class DevdaxNode:
     def _stop_and_umount(self, vid: str, target: str) -> None:
         current = self.mounter.find(target)
         ours = current is not None and current.source == mounts.source_for(vid)
-        if ours and current.readonly:
+        if ours and current is not None and current.readonly:
             self.mounter.remount(target, readonly=False)  # so the socket file can be removed
         self.dax.stop(os.path.join(target, SOCKET_FILE))
         self.dax.stop(os.path.join(target, GPU_SOCKET_FILE))

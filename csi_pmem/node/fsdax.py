@@ -261,9 +261,13 @@ class FsdaxNode:
             log.info("unstaged %s from %s", rec.id, path)
 
     # ------------------------------------------------------------------ publish
-    def publish(self, rec: VolumeRecord, target: str, readonly: bool, access: Access,
+    def publish(self, rec: VolumeRecord, target: str, readonly: bool, access: Access | None,
                 staging: str, *, mount_group: int | None, pod_uid: str | None,
                 access_mode: str) -> None:
+        if access is None:
+            raise InvalidArgument(
+                f"volume {rec.id} is an fsdax volume: say whether to publish it as a "
+                "block device or a file system")
         ns = self._namespace(rec)
         rdev = self._rdev(ns.device)
         pub = rec.publications.get(target)

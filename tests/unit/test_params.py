@@ -38,7 +38,7 @@ def test_fsdax():
     ({"deviceMode": "raw"}, "deviceMode"),
     ({"numaNode": "-1"}, "non-negative integer"),
     ({"numaNode": "one"}, "non-negative integer"),
-    ({"numaNode": "١"}, "non-negative integer"),  # a non-ASCII digit
+    ({"numaNode": "١"}, "non-negative integer"),  # noqa: RUF001 (a non-ASCII digit, on purpose)
     ({"align": "4Ki"}, "2Mi or 1Gi"),
     ({"eraseOnDelete": "sure"}, "true"),
 ])

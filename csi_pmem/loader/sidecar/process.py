@@ -251,6 +251,7 @@ class Sidecar:
                    error=str(exc))
             return False
         host, port = self.server.server_address[:2]
+        host = host.decode() if isinstance(host, bytes) else host
         event("listening", address=f"{host}:{port}", port=port)
         threading.Thread(target=self.server.serve_forever, name="http", daemon=True).start()
         return True

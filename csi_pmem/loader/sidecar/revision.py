@@ -60,6 +60,7 @@ def _file_digest(src: SourceFile, mode: str) -> str:
     h = hashlib.sha256(f"{src.name}\0{src.size}\0{src.kind}\0".encode())
     fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        samples: list[int]
         if mode == "full":
             head, samples = src.size, []
         else:
