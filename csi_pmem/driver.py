@@ -482,19 +482,11 @@ class Driver:
         self.backend.close()
 
 
-def describe(rec: VolumeRecord) -> dict:
-    """The volume_context handed to the CO (and back to NodePublishVolume)."""
-    return {"deviceMode": rec.params.get("deviceMode", "devdax"),
-            "numaNode": str(rec.numa_node), "align": format_bytes(rec.align),
-            "usableSize": str(rec.usable_size), "device": rec.device, "pool": rec.pool}
-
-
 __all__ = [
     "Capacity",
     "Driver",
     "DriverConfig",
     "VolumeCondition",
-    "describe",
     "is_volume_id",
     "volume_id_for",
 ]
