@@ -8,6 +8,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import shlex
 import subprocess
 import sys
 from concurrent import futures
@@ -217,3 +218,25 @@ def test_tables_of_a_document(tmp_path):
     assert out[-1] == "condition: abnormal: device is gone"
     assert volume_output.render("list", {"entries": []}, "table") == "No volumes."
     assert volume_output.render("list", {}, "name") == ""
+
+
+def test_the_readme_walkthrough_parses_and_needs_no_python():
+    """The walkthrough is copied and pasted: every csi-pmem command in it must parse
+    (flags renamed or removed would fail here) and ids come from -o name, not Python."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## A five-minute walkthrough", 1)[1].split("```sh\n", 1)[1]
+    block = block.split("```", 1)[0]
+    assert "python" not in block
+    commands = []
+    for line in block.splitlines():
+        line = line.split("  #", 1)[0].strip()
+        if "$(" in line:
+            line = line.split("$(", 1)[1].rsplit(")", 1)[0]
+        if line.startswith("csi-pmem "):
+            commands.append(shlex.split(line.replace("$ID", "pmem-1").replace("$FS", "pmem-2")))
+    assert len(commands) >= 15
+    parser = cli.build_parser()
+    for argv in commands:
+        args = parser.parse_args(argv[1:])
+        assert args.command == "volume", argv
+    assert sum(a[-2:] == ["-o", "name"] for a in commands) == 2
