@@ -178,7 +178,6 @@ def _complete(line: str, tmp_path: Path, prog: str = "csi-pmem") -> list[str]:
 
 def test_completion_offers_actions_flags_and_the_drivers_volume_ids(served, capsys,
                                                                     tmp_path):
-    pytest.importorskip("argcomplete")  # the driver extra brings it; the fallback is none
     assert _complete("csi-pmem volume cr", tmp_path) == ["create "]
     assert "--output " in _complete("csi-pmem volume list --out", tmp_path)
     assert _complete("csi-pmem-weights st", tmp_path, "csi-pmem-weights") == ["stage "]
