@@ -97,8 +97,9 @@ def volume_ids(args: argparse.Namespace) -> list[str]:
     """The driver's volume ids, for shell completion: quick, and empty on any failure
     (a completion must never print an error into the user's command line)."""
     try:
-        args.timeout = min(getattr(args, "timeout", 2.0), 2.0)
-        return [e["volume"]["volume_id"] for e in list_volumes(args)["entries"]]
+        quick = argparse.Namespace(endpoint=args.endpoint,
+                                   timeout=min(getattr(args, "timeout", 2.0), 2.0))
+        return [e["volume"]["volume_id"] for e in list_volumes(quick)["entries"]]
     except Exception:  # whatever went wrong, completion offers nothing
         return []
 
