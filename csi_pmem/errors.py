@@ -35,6 +35,11 @@ class ResourceExhausted(CsiPmemError):
     """Not enough free space (or label slots) now; another node or later may work."""
 
 
+class SpaceBeingErased(ResourceExhausted):
+    """The space a request needs is held by volumes deleted moments ago, still being
+    erased in the background; it comes back when their erase is done."""
+
+
 class FailedPrecondition(CsiPmemError):
     """The request is valid but the object is in a state that forbids it."""
 
@@ -71,6 +76,7 @@ STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
     OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    SpaceBeingErased: grpc.StatusCode.RESOURCE_EXHAUSTED,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     Aborted: grpc.StatusCode.ABORTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
