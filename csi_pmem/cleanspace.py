@@ -83,6 +83,13 @@ class CleanSpace:
     def dirty_pools(self, pools: list[Pool]) -> list[str]:
         return [p.name for p in pools if not self.is_clean(p.name)]
 
+    def known_dirty(self) -> list[str]:
+        """Dirty regions among those read or written since start-up (no listing)."""
+        if not self.enabled:
+            return []
+        with self._lock:
+            return sorted(name for name, rec in self._cache.items() if not rec.clean)
+
     def _put(self, rec: RegionRecord) -> None:
         self.store.put_region(rec)
         with self._lock:

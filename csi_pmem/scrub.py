@@ -108,15 +108,12 @@ class Scrubber:
                                lambda cancel: self.run(pool, cancel))
 
     def schedule_dirty(self) -> None:
-        if not self.enabled:
-            return
-        try:
-            pools = self.backend.pools()
-        except Exception as exc:  # a listing failure must not fail a create
-            log.warning("cannot list regions to schedule scrubs: %s", exc)
-            return
-        for name in self.ledger.dirty_pools([p for p in pools if p.usable]):
-            self.schedule(name)
+        """Queue a scrub for every region the ledger knows to be dirty. From the
+        ledger's records, not a listing: this runs after every CreateVolume, and on
+        ndctl a listing right after a create is one more ``ndctl list`` exec."""
+        if self.enabled:
+            for name in self.ledger.known_dirty():
+                self.schedule(name)
 
     # ------------------------------------------------------------------ the job
     def run(self, pool_name: str, cancel: threading.Event) -> None:
