@@ -20,7 +20,8 @@ destroyed namespace's bytes are handed out again, as on persistent memory):
                of a device must do: the emulated back end's 4 KiB tmpfs pages fault in,
                a devdax device's 2 MiB pages hardly), the driver's erase (zero_fd:
                libpmem non-temporal stores + sampled verification, its own mapping),
-               and zero_fd with full / no verification; modes alternate each repetition
+               zero_fd with full / no verification, and the erase's stores alone on
+               the warm mapping; modes alternate each repetition
   share        CreateVolume/DeleteVolume on an in-process Driver whose back end is
                timed: how much of each call is the back end (on ndctl: the ndctl
                execs) and how much is the driver's own work
@@ -53,6 +54,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_driver  # noqa: E402
 from bench_driver import ERASE_OFF, ERASE_ON, Tracker, cleanup, log, machine  # noqa: E402
 
+from csi_pmem import erase  # noqa: E402
 from csi_pmem.erase import DEFAULT_CHUNK, default_threads, zero_fd  # noqa: E402
 from csi_pmem.sizes import REGION_ALIGN, allocation_for, format_bytes, parse_quantity  # noqa: E402
 
@@ -119,10 +121,11 @@ def phase(d: Driver, tr: Tracker, sizes: list[int], reps: int, params: dict,
     return out
 
 
-def memset_mt(base: int, length: int, threads: int) -> None:
+def memset_mt(base: int, length: int, threads: int, fn=None) -> None:
+    fn = fn or (lambda addr, size: ctypes.memset(addr, 0, size))
     chunks = [(o, min(DEFAULT_CHUNK, length - o)) for o in range(0, length, DEFAULT_CHUNK)]
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda c: ctypes.memset(base + c[0], 0, c[1]), chunks))
+        list(pool.map(lambda c: fn(base + c[0], c[1]), chunks))
 
 
 def fresh_memset(fd: int, length: int, threads: int) -> None:
@@ -143,6 +146,9 @@ def erase_vs_memset(path: str, length: int, threads: int, reps: int) -> dict:
     modes = {
         f"memset/{threads}": lambda: memset_mt(base, length, threads),
         f"mmap+memset/{threads}": lambda: fresh_memset(fd, length, threads),
+        # The erase's own stores (erase._zero_range: libpmem non-temporal pmem_memset)
+        # on the warm mapping: the stores alone, without mapping and faulting.
+        "erase stores (warm)": lambda: memset_mt(base, length, threads, erase._zero_range),
         "erase (sampled verify)": lambda: zero_fd(fd, length, threads=threads,
                                                   verify="sampled"),
         "erase (full verify)": lambda: zero_fd(fd, length, threads=threads, verify="full"),

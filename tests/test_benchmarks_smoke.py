@@ -113,7 +113,7 @@ def test_bench_provision_quick_json():
             assert v["n"] == 2 and all(v[k] > 0 for k in
                                        ("create_p50_ms", "delete_p50_ms", "space_back_p50_ms"))
     modes = report["erase"]["modes"]
-    assert len(modes) == 5 and all(m["gb_s"] > 0 for m in modes.values())
+    assert len(modes) == 6 and all(m["gb_s"] > 0 for m in modes.values())
     for op in ("CreateVolume", "DeleteVolume"):
         share = report["share"][op]
         assert share["total_ms"] >= share["backend_ms"] > 0
