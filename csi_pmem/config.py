@@ -28,8 +28,14 @@ DEFAULTS = {
     "emulated_regions": "0=2Gi,1=2Gi",
     "emulated_root": "",
     "emulated_device": "file",
+    "emulated_free_space": "fresh",
     "kubelet_dir": "/var/lib/kubelet",
     "erase_threads": "0",
+    "erase_workers": "2",
+    "erase_verify": "sampled",
+    "erase_wait_seconds": "5",
+    "delete_wait_seconds": "1",
+    "scrub": "auto",
     "grpc_workers": "0",
     "ndctl": "ndctl",
     "device_poll_seconds": "30",
@@ -49,8 +55,19 @@ HELP = {
     "emulated_root": "directory for emulated backing files (tmpfs or hugetlbfs; "
                      "default: <state-dir>/emulated)",
     "emulated_device": "file (hand out the backing file) or loop (hand out a loop device)",
+    "emulated_free_space": "fresh (every namespace is a new zeroed file) or reuse (a "
+                           "destroyed namespace's bytes are handed out again, as on real "
+                           "persistent memory)",
     "kubelet_dir": "publish targets must lie below this directory",
     "erase_threads": "threads used to zero a namespace (0: one per CPU)",
+    "erase_workers": "erase jobs (deleted volumes, scrubs) run at the same time",
+    "erase_verify": "read-back after an erase: sampled (the first 64 KiB of every MiB), "
+                    "full or off",
+    "erase_wait_seconds": "how long CreateVolume waits for space still being erased "
+                          "before it answers RESOURCE_EXHAUSTED",
+    "delete_wait_seconds": "how long DeleteVolume waits for its erase before it returns "
+                           "and lets the erase finish in the background",
+    "scrub": "auto (zero the free space of dirty regions in the background) or off",
     "grpc_workers": "gRPC worker threads (0: sized for the node)",
     "ndctl": "path of the ndctl binary",
     "device_poll_seconds": "interval of the device re-scan when udev events are unavailable",
@@ -58,7 +75,8 @@ HELP = {
                        "devdax publications then also serve gpu.sock (empty: off)",
 }
 CHOICES = {"backend": ("ndctl", "emulated"), "log_format": ("text", "json"),
-           "emulated_device": ("file", "loop"),
+           "emulated_device": ("file", "loop"), "emulated_free_space": ("fresh", "reuse"),
+           "erase_verify": ("sampled", "full", "off"), "scrub": ("auto", "off"),
            "log_level": ("debug", "info", "warning", "error")}
 
 
@@ -81,6 +99,12 @@ class ServeConfig:
     ndctl: str
     device_poll_seconds: float
     gpu_copy_socket: str = ""
+    emulated_free_space: str = "fresh"
+    erase_workers: int = 2
+    erase_verify: str = "sampled"
+    erase_wait_seconds: float = 5.0
+    delete_wait_seconds: float = 1.0
+    scrub: str = "auto"
 
 
 def env_name(key: str) -> str:
@@ -97,14 +121,19 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 def from_args(ns: argparse.Namespace) -> ServeConfig:
     values = {k: getattr(ns, k) for k in DEFAULTS}
-    for key in ("erase_threads", "grpc_workers"):
+    for key in ("erase_threads", "grpc_workers", "erase_workers"):
         if not str(values[key]).isdecimal():
             raise InvalidArgument(f"--{key.replace('_', '-')} must be a non-negative integer")
         values[key] = int(values[key])
-    try:
-        values["device_poll_seconds"] = float(values["device_poll_seconds"])
-    except ValueError:
-        raise InvalidArgument("--device-poll-seconds must be a number") from None
+    if values["erase_workers"] < 1:
+        raise InvalidArgument("--erase-workers must be at least 1")
+    for key in ("device_poll_seconds", "erase_wait_seconds", "delete_wait_seconds"):
+        try:
+            values[key] = float(values[key])
+        except ValueError:
+            raise InvalidArgument(f"--{key.replace('_', '-')} must be a number") from None
+        if not values[key] >= 0:
+            raise InvalidArgument(f"--{key.replace('_', '-')} must not be negative")
     for key, choices in CHOICES.items():
         if values[key] not in choices:
             raise InvalidArgument(f"--{key.replace('_', '-')} must be one of {', '.join(choices)}")

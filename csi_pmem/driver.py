@@ -16,6 +16,13 @@ Start-up (:meth:`Driver.reconcile`) reads every record and every namespace and b
 them together: half-created volumes are rolled back, half-deleted ones are finished,
 published volumes get their sockets served again, and namespaces that look like ours
 but have no record are reported, never destroyed.
+
+Erasing (docs/design.md §6.9): DeleteVolume with ``eraseOnDelete`` queues the erase on
+the background eraser (:mod:`csi_pmem.eraser`) and returns; the namespace is destroyed
+once its erase is verified, so its space shows as free only then. Which regions' free
+space is known to be zeros lives in the clean-space ledger (:mod:`csi_pmem.cleanspace`):
+CreateVolume zeroes only in dirty regions, and scrubs (:mod:`csi_pmem.scrub`) make them
+clean again.
 """
 
 from __future__ import annotations
@@ -24,14 +31,18 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from csi_pmem import failpoints
 from csi_pmem.backends.base import Backend, Namespace, Pool
+from csi_pmem.cleanspace import CleanSpace
 from csi_pmem.daxsock import DaxSocketServer
-from csi_pmem.erase import zero_fd
+from csi_pmem.erase import SAMPLED, zero_fd
+from csi_pmem.eraser import DELETE, EraseQueue
 from csi_pmem.errors import (
+    Aborted,
     AlreadyExists,
     BackendError,
     FailedPrecondition,
@@ -39,6 +50,7 @@ from csi_pmem.errors import (
     NotFound,
     OutOfRange,
     ResourceExhausted,
+    SpaceBeingErased,
     Unavailable,
 )
 from csi_pmem.filesystems import Usage
@@ -50,6 +62,7 @@ from csi_pmem.node.access import Access
 from csi_pmem.node.devdax import DevdaxNode
 from csi_pmem.node.fsdax import FsdaxNode
 from csi_pmem.params import DEVDAX, FSDAX, VolumeParams
+from csi_pmem.scrub import Scrubber
 from csi_pmem.sizes import (
     allocation_for,
     allocation_step,
@@ -104,6 +117,11 @@ class DriverConfig:
     node_id: str
     kubelet_dir: str
     erase_threads: int | None = None
+    erase_verify: str = SAMPLED  # csi_pmem.erase: full, sampled or off
+    erase_workers: int = 2       # background erase jobs at a time
+    scrub: bool = True           # scrub dirty regions in the background
+    erase_wait: float = 5.0      # how long CreateVolume waits for space being erased
+    delete_wait: float = 1.0     # how long DeleteVolume waits for its background erase
 
 
 @dataclass(frozen=True)
@@ -143,14 +161,27 @@ class Driver:
             DEVDAX: DevdaxNode(backend, store, dax, config.driver_name, mounter, gpu_copy),
             FSDAX: FsdaxNode(backend, store, mounter),
         }
+        # Erase once (docs/design.md §6.9): the clean-space ledger, the background
+        # eraser, and the scrubs that make dirty regions clean.
+        self.ledger = CleanSpace(store, backend)
+        self.eraser = EraseQueue(config.erase_workers)
+        self.scrubber = Scrubber(backend, self.ledger, self.node_lock, self.eraser,
+                                 self._erase, enabled=config.scrub)
 
     # ------------------------------------------------------------------ capacity
     def capacity(self, params: VolumeParams) -> Capacity:
-        """Free space as usable bytes, so the scheduler compares like with like."""
+        """Free space as usable bytes, so the scheduler compares like with like.
+
+        Space of deleted volumes counts only once erased and destroyed (their namespaces
+        hold it until then); space a scrub holds counts as free, since a create takes
+        it back at once (csi_pmem.scrub).
+        """
         pools = self._pools_for(params)
-        available = sum(self._usable_in(p.free, p, params.align) for p in pools)
-        largest = max((self._usable_in(p.largest_extent, p, params.align) for p in pools),
-                      default=0)
+        held = {p.name: self.scrubber.held(p.name) for p in pools}
+        available = sum(self._usable_in(p.free + sum(held[p.name]), p, params.align)
+                        for p in pools)
+        largest = max((self._usable_in(max([p.largest_extent, *held[p.name]]), p, params.align)
+                       for p in pools), default=0)
         return Capacity(available=available, maximum_volume_size=largest)
 
     @staticmethod
@@ -194,25 +225,11 @@ class Driver:
 
     def _create(self, vid: str, name: str, request: int, required: int, limit: int,
                 params: VolumeParams) -> VolumeRecord:
-        with self.node_lock:
-            pool, size, usable = self._choose_pool(request, limit, params)
-            record = VolumeRecord(id=vid, name=name, state=CREATING, params=params.to_dict(),
-                                  required_bytes=required, limit_bytes=limit, pool=pool.name,
-                                  numa_node=pool.numa_node, size=size, usable_size=usable,
-                                  align=params.align)
-            self.store.put(record)
-            failpoints.hit(failpoints.CREATE_AFTER_RECORD)
-            try:
-                ns = self.backend.create(vid, pool.name, size, params.align,
-                                         mode=params.device_mode)
-            except BaseException:
-                # Nothing was handed out: drop the intent so capacity adds up again.
-                if self.backend.get(vid) is None:
-                    self.store.delete(vid)
-                raise
+        with self.scrubber.creating():  # no scrub holds free space while we carve
+            pool, record, ns, zero = self._carve(vid, name, request, required, limit, params)
         failpoints.hit(failpoints.CREATE_AFTER_NAMESPACE)
-        if not getattr(self.backend, "zeroes_new_namespaces", False):
-            self._erase(ns)  # the region may hold data of a volume deleted without erase
+        if zero:
+            self._erase(ns)  # a dirty region: it may hold data of earlier tenants
         capacity = promised_size(ns.usable_size, limit, params.align)
         record = replace(record, state=READY, size=ns.size, usable_size=capacity,
                          device=ns.device, numa_node=ns.numa_node)
@@ -221,9 +238,52 @@ class Driver:
                 f"namespace {vid} offers {describe_size(ns.usable_size)}, below the "
                 f"{describe_size(required)} requested")
         self.store.put(record)
-        log.info("created volume %s (%s) in %s: %s usable (device %s, %s)", vid, name,
-                 pool.name, format_bytes(capacity), ns.device, format_bytes(ns.usable_size))
+        log.info("created volume %s (%s) in %s: %s usable (device %s, %s)%s", vid, name,
+                 pool.name, format_bytes(capacity), ns.device, format_bytes(ns.usable_size),
+                 ", zeroed (dirty region)" if zero else "")
         return record
+
+    def _carve(self, vid: str, name: str, request: int, required: int, limit: int,
+               params: VolumeParams) -> tuple[Pool, VolumeRecord, Namespace, bool]:
+        """Choose a pool and create the namespace; wait up to ``erase_wait`` seconds
+        for space that deleted volumes' erases are about to free."""
+        deadline = time.monotonic() + self.config.erase_wait
+        while True:
+            with self.node_lock:
+                try:
+                    pool, size, usable = self._choose_pool(request, limit, params)
+                except ResourceExhausted as exc:
+                    erasing = self._bytes_being_erased(params)
+                    if not erasing:
+                        raise
+                    if time.monotonic() >= deadline:
+                        raise SpaceBeingErased(
+                            f"{exc}; {format_bytes(erasing)} of deleted volumes are still "
+                            "being erased there and become free when the erase is done: "
+                            "retry shortly") from exc
+                else:
+                    zero = self.ledger.must_zero(pool)
+                    record = VolumeRecord(
+                        id=vid, name=name, state=CREATING, params=params.to_dict(),
+                        required_bytes=required, limit_bytes=limit, pool=pool.name,
+                        numa_node=pool.numa_node, size=size, usable_size=usable,
+                        align=params.align)
+                    self.store.put(record)
+                    failpoints.hit(failpoints.CREATE_AFTER_RECORD)
+                    try:
+                        ns = self.backend.create(vid, pool.name, size, params.align,
+                                                 mode=params.device_mode)
+                    except BaseException:
+                        # Nothing was handed out: drop the intent so capacity adds up again.
+                        if self.backend.get(vid) is None:
+                            self.store.delete(vid)
+                        raise
+                    self.ledger.note_used(pool.name, ns.size)
+                    return pool, record, ns, zero
+            self.eraser.wait_any(max(0.01, min(0.5, deadline - time.monotonic())))
+
+    def _bytes_being_erased(self, params: VolumeParams) -> int:
+        return self.eraser.pending_bytes({p.name for p in self._pools_for(params)})
 
     def _choose_pool(self, request: int, limit: int, params: VolumeParams) -> tuple[Pool, int, int]:
         all_pools = self.backend.pools()
@@ -294,6 +354,10 @@ class Driver:
                         f"namespace {vid} exists but has no state record on node "
                         f"{self.config.node_id}; it is left alone, inspect it by hand")
                 return
+            if rec.state == DELETING:
+                self._continue_delete(rec)  # deleted already; the erase may still run
+                self.eraser.wait(vid, self.config.delete_wait)
+                return
             if rec.publications or rec.stages:
                 where = sorted(rec.publications) or sorted(rec.stages)
                 raise FailedPrecondition(
@@ -306,7 +370,10 @@ class Driver:
             rec.state = DELETING
             self.store.put(rec)
             failpoints.hit(failpoints.DELETE_AFTER_RECORD)
-            self._finish_delete(rec)
+            self._continue_delete(rec)
+            # A small erase is over within moments: then the space is free when the call
+            # returns. A huge one goes on in the background after this bounded wait.
+            self.eraser.wait(vid, self.config.delete_wait)
 
     def _check_not_in_use(self, rec: VolumeRecord) -> None:
         """An fsdax device mounted outside the driver (by hand, or a mount whose record
@@ -315,40 +382,88 @@ class Driver:
         if ns is not None and ns.mode == FSDAX:
             os.close(self.backend.open_device(ns, readonly=True, exclusive=True))
 
-    def _finish_delete(self, rec: VolumeRecord) -> None:
+    @staticmethod
+    def _erases(rec: VolumeRecord) -> bool:
+        return rec.params.get("eraseOnDelete", "true") == "true"
+
+    def _continue_delete(self, rec: VolumeRecord, resumed: bool = False) -> None:
+        """After the DELETING record: queue the erase (its job destroys the namespace
+        when the erase is verified), or destroy now when there is nothing to erase."""
+        def finish(cancel: threading.Event | None = None) -> None:
+            self._finish_delete(rec, cancel)
+            if resumed:
+                log.warning("finished interrupted deletion of %s (%s)", rec.id, rec.name)
+
+        if self._erases(rec) and self.backend.get(rec.id) is not None:
+            self.eraser.submit(rec.id, DELETE, rec.pool, rec.size, finish)
+        else:
+            finish()
+
+    def _finish_delete(self, rec: VolumeRecord,
+                       cancel: threading.Event | None = None) -> None:
         ns = self.backend.get(rec.id)
-        if ns is not None and rec.params.get("eraseOnDelete", "true") == "true":
-            self._erase(ns)
+        erase = self._erases(rec)
+        if ns is not None and erase:
+            self._erase(ns, cancel)
         failpoints.hit(failpoints.DELETE_AFTER_ERASE)
         if ns is not None:
             with self.node_lock:
+                if erase:
+                    self.ledger.expect_freed(ns.pool, ns.size)
+                else:
+                    # Write-ahead: dirty before the unerased bytes become free space.
+                    self.ledger.mark_dirty(ns.pool, f"volume {rec.id} ({rec.name}) was "
+                                           "deleted without an erase (eraseOnDelete: false)")
+                    failpoints.hit(failpoints.DELETE_AFTER_DIRTY)
                 self.backend.destroy(rec.id)
         failpoints.hit(failpoints.DELETE_AFTER_DESTROY)
         self.store.delete(rec.id)
         log.info("deleted volume %s (%s)", rec.id, rec.name)
+        if ns is not None and not erase:
+            self.scrubber.schedule(ns.pool)
 
-    def _erase(self, ns: Namespace) -> None:
+    def _erase(self, ns: Namespace, cancel: threading.Event | None = None) -> None:
+        from csi_pmem.loader.numa import node_cpus  # the loader's, imported when needed
+
         fd = self.backend.open_device(ns, readonly=False, exclusive=True)
         try:
-            result = zero_fd(fd, ns.usable_size, threads=self.config.erase_threads)
+            result = zero_fd(fd, ns.usable_size, threads=self.config.erase_threads,
+                             verify=self.config.erase_verify, cpus=node_cpus(ns.numa_node),
+                             cancel=cancel)
         finally:
             os.close(fd)
         self.on_erase(result.bytes, result.seconds)
-        log.info("erased %s: %s in %.3f s (%.2f GB/s, %d threads)", ns.name,
-                 format_bytes(result.bytes), result.seconds,
-                 result.bytes / max(result.seconds, 1e-9) / 1e9, result.threads)
+        log.info("erased %s: %s in %.3f s (%.2f GB/s, %d threads, %s, verify %s%s)",
+                 ns.name, format_bytes(result.bytes), result.seconds,
+                 result.bytes / max(result.seconds, 1e-9) / 1e9, result.threads,
+                 result.method, result.verify, ", persisted" if result.persisted else "")
 
-    def _finish_pending(self, rec: VolumeRecord) -> None:
-        """Complete what a crash interrupted: roll back a create, finish a delete."""
+    def _finish_pending(self, rec: VolumeRecord, wait: bool = True) -> None:
+        """Complete what a crash interrupted: roll back a create, finish a delete.
+
+        A deleted volume's erase runs in the background; with ``wait`` (a CreateVolume
+        of the same name) this waits up to ``erase_wait`` seconds for it, then says
+        ABORTED: the name is free again only once the old namespace is gone.
+        """
         if rec.state == CREATING:
-            if self.backend.get(rec.id) is not None:
+            ns = self.backend.get(rec.id)
+            if ns is not None:
                 with self.node_lock:
+                    self.ledger.expect_freed(ns.pool, ns.size)  # never handed out
                     self.backend.destroy(rec.id)
             self.store.delete(rec.id)
             log.warning("rolled back interrupted creation of %s (%s)", rec.id, rec.name)
         elif rec.state == DELETING:
-            self._finish_delete(rec)
-            log.warning("finished interrupted deletion of %s (%s)", rec.id, rec.name)
+            if not wait:
+                log.warning("resuming interrupted deletion of %s (%s)", rec.id, rec.name)
+            self._continue_delete(rec, resumed=not wait)
+            if wait and not self.eraser.wait(rec.id, self.config.erase_wait):
+                raise Aborted(
+                    f"volume {rec.name!r} was deleted and its {format_bytes(rec.size)} are "
+                    "still being erased; a new volume of that name can be made when the "
+                    "erase is done: retry shortly")
+            if self.store.get(rec.id) is None:
+                log.info("finished deletion of %s (%s)", rec.id, rec.name)
 
     # ------------------------------------------------------------------ queries
     def get(self, vid: str) -> VolumeRecord:
@@ -468,11 +583,20 @@ class Driver:
     def reconcile(self) -> None:
         """Bring records, namespaces and mounts together after a start or a crash."""
         namespaces = {ns.name: ns for ns in self.backend.namespaces()}
-        for rec in self.store.all():
+        records = self.store.all()
+        known = {r.id for r in records}
+        self.orphans = sorted(n for n in namespaces if is_volume_id(n) and n not in known)
+        with self.node_lock:
+            self.scrubber.recover()  # scratch namespaces of a scrub a crash cut short
+            by_pool: dict[str, list[str]] = {}
+            for name in self.orphans:
+                by_pool.setdefault(namespaces[name].pool, []).append(name)
+            self.ledger.start(self.backend.pools(), by_pool)
+        for rec in records:
             ns = namespaces.pop(rec.id, None)
             try:
                 if rec.state != READY:
-                    self._finish_pending(rec)
+                    self._finish_pending(rec, wait=False)  # deletes resume in the background
                     continue
                 if ns is None:
                     log.error("volume %s (%s) has a record but no namespace: reported as "
@@ -485,12 +609,13 @@ class Driver:
                 self._node(rec).reconcile(rec)
             except Exception:
                 log.exception("could not reconcile volume %s; it is left as it is", rec.id)
-        self.orphans = sorted(n for n in namespaces if is_volume_id(n))
         for name in self.orphans:
             log.warning("namespace %s looks like a csi-pmem volume but has no record on this "
                         "node; it is not touched (delete it by hand if it is not needed)", name)
+        self.scrubber.schedule_dirty()
 
     def close(self) -> None:
+        self.eraser.close()  # running erases stop; their DELETING records resume them
         self.dax.close()
         self.backend.close()
 

@@ -34,6 +34,11 @@ class ResourceExhausted(CsiPmemError):
     """Not enough free space (or label slots) now; another node or later may work."""
 
 
+class SpaceBeingErased(ResourceExhausted):
+    """The space a request needs is held by volumes deleted moments ago, still being
+    erased in the background; it comes back when their erase is done."""
+
+
 class FailedPrecondition(CsiPmemError):
     """The request is valid but the object is in a state that forbids it."""
 

@@ -50,6 +50,14 @@ WEIGHTS_INDEX_BODY = "weights-index-body"          # a new index body persisted,
 WEIGHTS_AFTER_COMMIT = "weights-after-commit"      # commit record persisted
 WEIGHTS = (WEIGHTS_AFTER_PLAN, WEIGHTS_AFTER_COPY, WEIGHTS_AFTER_FILE, WEIGHTS_BEFORE_COMMIT,
            WEIGHTS_INDEX_BODY, WEIGHTS_AFTER_COMMIT)
+# The clean-space ledger and the background eraser (tests/test_clean_space.py).
+ERASE_MID = "erase-mid"                    # an erase's first chunk zeroed, others not
+DELETE_AFTER_DIRTY = "delete-after-dirty"  # region marked dirty, namespace not destroyed
+SCRUB_AFTER_RECORD = "scrub-after-record"  # scrub intent written, no scratch namespace
+SCRUB_AFTER_CREATE = "scrub-after-create"  # scratch namespaces exist, not erased
+SCRUB_AFTER_ERASE = "scrub-after-erase"    # scratch erased, not destroyed
+ERASE = (ERASE_MID, DELETE_AFTER_DIRTY, SCRUB_AFTER_RECORD, SCRUB_AFTER_CREATE,
+         SCRUB_AFTER_ERASE)
 ALL = (CREATE_AFTER_RECORD, CREATE_AFTER_NAMESPACE, DELETE_AFTER_RECORD, DELETE_AFTER_ERASE,
        DELETE_AFTER_DESTROY, PUBLISH_AFTER_RECORD, PUBLISH_AFTER_MOUNT, PUBLISH_AFTER_SOCKET,
        UNPUBLISH_AFTER_UMOUNT)

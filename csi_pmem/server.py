@@ -45,7 +45,8 @@ def make_backend(cfg: ServeConfig, mounter: Mounter) -> Backend:
     from csi_pmem.backends.emulated import EmulatedBackend, parse_regions
 
     return EmulatedBackend(cfg.emulated_root, parse_regions(cfg.emulated_regions),
-                           device_type=cfg.emulated_device, loops=mounter)
+                           device_type=cfg.emulated_device, loops=mounter,
+                           free_space=cfg.emulated_free_space)
 
 
 def worker_count(cfg: ServeConfig) -> int:
@@ -65,12 +66,16 @@ class Server:
                                    self.metrics.dax_connections.labels(kind).inc())
         self.driver = Driver(
             DriverConfig(driver_name=cfg.driver_name, node_id=cfg.node_id,
-                         kubelet_dir=cfg.kubelet_dir, erase_threads=cfg.erase_threads or None),
+                         kubelet_dir=cfg.kubelet_dir, erase_threads=cfg.erase_threads or None,
+                         erase_verify=cfg.erase_verify, erase_workers=cfg.erase_workers,
+                         scrub=cfg.scrub == "auto", erase_wait=cfg.erase_wait_seconds,
+                         delete_wait=cfg.delete_wait_seconds),
             self.backend, StateStore(cfg.state_dir), self.dax,
             on_erase=self.metrics.observe_erase,
             gpu_copy=ServiceLink(cfg.gpu_copy_socket) if cfg.gpu_copy_socket else None,
             mounter=self.mounter)
         self.metrics.watch_pools(self.backend, lambda: self.driver.orphans)
+        self.metrics.watch_erases(self.driver.eraser, self.driver.ledger, self.backend)
         rpc_module.observers.append(self.metrics.observe_rpc)
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=worker_count(cfg),
                                                            thread_name_prefix="csi"))

@@ -5,6 +5,10 @@ CSI name, the requested size, the parameters and the publish targets live nowher
 the device. Each volume gets one small JSON file, written *before* the driver acts
 (so a crash leaves an intent that start-up can finish or roll back) and atomically
 (temp file, fsync, rename, fsync of the directory: a crash never leaves a torn record).
+
+Regions get a record too (:class:`RegionRecord`, ``regions/<pool>.json``), written the
+same way: whether the region's free space is known to read as zeros, which is what lets
+CreateVolume skip zeroing (:mod:`csi_pmem.cleanspace` owns its rules).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# Volume states. A record only stays in a transient state after a crash.
+# Volume states. CREATING only stays after a crash; DELETING means deleted for the CO
+# (gone from ListVolumes) while the erase and destroy finish in the background.
 CREATING, READY, DELETING = "creating", "ready", "deleting"
 # Publish states, per target.
 PUBLISHING, PUBLISHED, UNPUBLISHING = "publishing", "published", "unpublishing"
@@ -94,12 +99,63 @@ class VolumeRecord:
         return cls(**raw, publications=pubs, stages=stages)
 
 
+@dataclass
+class RegionRecord:
+    """What the driver knows about one region's free space (see csi_pmem.cleanspace).
+
+    ``clean``: every byte of free space reads as zeros. ``free``: the free bytes the
+    driver last saw after its own change; more free space than that later means someone
+    else destroyed a namespace there. ``generation`` grows on every change to dirty, so
+    a scrub that started before it cannot mark the region clean. ``scrub``: names of the
+    scratch namespaces a scrub is about to create or holds (the write-ahead intent).
+    """
+
+    pool: str
+    clean: bool
+    reason: str = ""
+    free: int = -1
+    generation: int = 0
+    scrub: list[str] = field(default_factory=list)
+    updated_at: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> RegionRecord:
+        return cls(**json.loads(text))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Temp file, fsync, rename, fsync of the directory: all or nothing after a crash."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class StateStore:
-    """A directory of ``<volume id>.json`` records with atomic, durable writes."""
+    """A directory of ``<volume id>.json`` records with atomic, durable writes, and one
+    of ``<pool>.json`` region records beside it."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root) / "volumes"
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.regions_root = Path(root) / "regions"
+        self.regions_root.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def path(self, volume_id: str) -> Path:
         if not _ID.match(volume_id):
@@ -113,17 +169,7 @@ class StateStore:
             return None
 
     def put(self, record: VolumeRecord) -> None:
-        final = self.path(record.id)
-        tmp = final.with_name(f".{final.name}.tmp")
-        data = record.to_json().encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
-        self._fsync_dir()
+        write_atomic(self.path(record.id), record.to_json().encode())
 
     def delete(self, volume_id: str) -> None:
         try:
@@ -143,8 +189,35 @@ class StateStore:
         return records
 
     def _fsync_dir(self) -> None:
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        fsync_dir(self.root)
+
+    # -- regions --------------------------------------------------------------------
+    def region_path(self, pool: str) -> Path:
+        if not _ID.match(pool):
+            raise ValueError(f"not a region name: {pool!r}")
+        return self.regions_root / f"{pool}.json"
+
+    def get_region(self, pool: str) -> RegionRecord | None:
+        """The region's record; None if never written (or unreadable: logged, and then
+        treated as unknown, which is the safe side)."""
+        path = self.region_path(pool)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            return RegionRecord.from_json(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError) as exc:
+            log.error("region record %s is unreadable; the region counts as dirty: %s",
+                      path, exc)
+            return None
+
+    def put_region(self, record: RegionRecord) -> None:
+        record.updated_at = time.time()
+        write_atomic(self.region_path(record.pool), record.to_json().encode())
+
+    def all_regions(self) -> list[RegionRecord]:
+        out = []
+        for p in sorted(self.regions_root.glob("*.json")):
+            rec = self.get_region(p.stem)
+            if rec is not None:
+                out.append(rec)
+        return out

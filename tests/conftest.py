@@ -197,6 +197,21 @@ class DriverProcess:
             subprocess.run(["umount", "-l", m.mount_point], check=False)
 
 
+def eventually(check, what: str, timeout: float = 60.0, interval: float = 0.02):
+    """Wait until ``check()`` is truthy and return it; fail naming ``what`` otherwise.
+
+    For what the driver finishes in the background: a deleted volume's space comes
+    back only once its erase is done (docs/design.md §6.9).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(interval)
+
+
 # ------------------------------------------------------------------ state inspection
 def backing_ids(d: DriverProcess) -> list[str]:
     """Volume ids of the backing files in the pools (``<id>~<align>.dax`` or ``.fsdax``),

@@ -90,3 +90,35 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+PROVISION = ROOT / "benchmarks" / "bench_provision.py"
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for tmpfs mounts")
+def test_bench_provision_quick_json():
+    """bench_provision.py --quick: every phase, size and erase mode is reported."""
+    pool_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+    def ours() -> set[str]:  # /dev/shm is shared with other tests and users
+        return {n for n in os.listdir(pool_dir) if n.startswith("bench-provision-")}
+
+    before = ours()
+    proc = subprocess.run([sys.executable, str(PROVISION), "--quick", "--json",
+                           "--pool-dir", pool_dir],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    report = json.loads(proc.stdout)
+    assert sorted(report["phases"]) == ["clean", "clean/wait0", "dirty"]
+    for rows in report["phases"].values():
+        assert sorted(rows) == ["16Mi", "64Mi"]
+        for v in rows.values():
+            assert v["n"] == 2 and all(v[k] > 0 for k in
+                                       ("create_p50_ms", "delete_p50_ms", "space_back_p50_ms"))
+    modes = report["erase"]["modes"]
+    assert len(modes) == 6 and all(m["gb_s"] > 0 for m in modes.values())
+    for op in ("CreateVolume", "DeleteVolume"):
+        share = report["share"][op]
+        assert share["total_ms"] >= share["backend_ms"] > 0
+    assert ours() <= before, "the benchmark left files behind"

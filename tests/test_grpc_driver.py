@@ -13,7 +13,7 @@ from csi_pmem.csi import csi_pb2
 from csi_pmem.daxclient import DaxSocketError, open_volume
 from csi_pmem.sizes import allocation_for
 
-from conftest import GiB, MiB, Mode, block_cap, mount_cap, needs_root
+from conftest import GiB, MiB, Mode, block_cap, eventually, mount_cap, needs_root
 
 pytestmark = needs_root()
 
@@ -81,7 +81,8 @@ def test_numa_placement_and_capacity(driver):
     assert code_of(driver.create, "numa7", params={"numaNode": "7"}) == \
         grpc.StatusCode.RESOURCE_EXHAUSTED
     driver.delete(vol.volume_id)
-    assert {n: driver.capacity({"numaNode": str(n)}).available_capacity for n in (0, 1)} == before
+    eventually(lambda: {n: driver.capacity({"numaNode": str(n)}).available_capacity
+                        for n in (0, 1)} == before, "the deleted volume's space to be erased")
 
 
 def test_size_errors(driver):

@@ -15,7 +15,16 @@ Contract:
   whose usable size follows the same struct-page arithmetic); raises
   :class:`ResourceExhausted` when it does not fit and :class:`AlreadyExists` when the
   name is taken. It is called under the driver's node-wide lock.
-- ``destroy(name)`` removes it; a missing name is not an error.
+- ``destroy(name)`` removes it (a volume or a scratch namespace); a missing name is not
+  an error.
+- ``create_scratch(name, pool, size)`` makes a namespace whose device maps all ``size``
+  raw bytes, with no metadata of its own (ndctl: a raw namespace, ``/dev/pmemX.Y``), so
+  that zeroing its device zeroes every byte of that space. The driver's scrub
+  (:mod:`csi_pmem.scrub`) uses it to clean a region's free space; ``namespaces()`` never
+  lists such namespaces. Called under the node-wide lock.
+- ``zeroes_new_namespaces``: True when a new namespace always reads as zeros whatever
+  was deleted before (the emulated back end's fresh files); the driver then never
+  zeroes on create and keeps no clean-space ledger.
 - ``open_device(ns, readonly)`` returns a new fd that maps the usable bytes from
   offset 0 (O_RDONLY when ``readonly``); the caller owns and closes it.
 - ``Namespace.fs_dax`` says whether a file system on an fsdax namespace can be mounted
@@ -105,6 +114,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def destroy(self, name: str) -> None: ...
+
+    zeroes_new_namespaces: bool = False
+
+    def create_scratch(self, name: str, pool: str, size: int) -> Namespace:
+        """See the module docstring; back ends that cannot leave regions dirty."""
+        raise NotImplementedError(f"the {self.kind} back end cannot scrub free space")
 
     @abc.abstractmethod
     def open_device(self, ns: Namespace, readonly: bool, exclusive: bool = False) -> int:

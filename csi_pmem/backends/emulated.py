@@ -9,6 +9,15 @@ space reserved with fallocate, so the fd a client receives maps the volume from 
 follow the ndctl back end: the same struct-page overhead is charged so usable sizes
 and capacity add up the same way.
 
+``free_space="reuse"`` makes the pools behave like media: a destroyed namespace's file
+is kept as free space (``free-<hex>.free``, not counted as used) and the next namespace
+that fits in it gets it back, old bytes and all, so the driver's clean-space ledger and
+erases are tested for real (with ``"fresh"``, the default, every namespace is a new
+zero-filled file and the driver never needs to zero on create). A create that fits in
+no free file takes fresh space and drops the free files of its region: the bytes it
+covers are gone, as if overwritten. Scratch namespaces (``<name>~<align>.raw``) are
+plain files the driver's scrub zeroes.
+
 ``device_type="loop"`` additionally attaches each file to a loop device and hands out
 the loop device: a real device node, so device-cgroup rules apply to it exactly as to
 ``/dev/daxX.Y`` (used by the fd-passing tests). Loop devices come from the
@@ -29,6 +38,7 @@ import errno
 import logging
 import os
 import threading
+import uuid
 from pathlib import Path
 
 from csi_pmem.backends.base import Backend, Namespace, Pool, device_busy
@@ -48,6 +58,9 @@ LABEL_SLOTS_PER_REGION = 510  # what one NVDIMM's label area holds (docs/design.
 SUFFIXES = {".dax": "devdax", ".fsdax": "fsdax"}
 SUFFIX_FOR = {mode: suffix for suffix, mode in SUFFIXES.items()}
 TMP_SUFFIX = ".tmp"  # a backing file being allocated: not a namespace yet
+SCRATCH_SUFFIX = ".raw"  # a scratch namespace of the driver's scrub: used, never listed
+FREE_SUFFIX = ".free"  # free_space="reuse": a destroyed namespace's bytes, free again
+FREE_SPACE = ("fresh", "reuse")
 
 
 def parse_regions(spec: str) -> dict[int, int]:
@@ -72,12 +85,17 @@ def parse_regions(spec: str) -> dict[int, int]:
 
 class EmulatedBackend(Backend):
     kind = "emulated"
-    zeroes_new_namespaces = True  # fresh files read as zeros; no erase needed on create
 
     def __init__(self, root: str | os.PathLike, regions: dict[int, int],
-                 device_type: str = "file", loops: LoopDevices | None = None) -> None:
+                 device_type: str = "file", loops: LoopDevices | None = None,
+                 free_space: str = "fresh") -> None:
         if device_type not in ("file", "loop"):
             raise InvalidArgument(f"invalid emulated device type {device_type!r}: file or loop")
+        if free_space not in FREE_SPACE:
+            raise InvalidArgument(f"invalid emulated free space {free_space!r}: fresh or reuse")
+        self.reuse = free_space == "reuse"
+        # Fresh files read as zeros: then no erase is needed on create.
+        self.zeroes_new_namespaces = not self.reuse
         self.root = Path(root)
         self.regions = dict(sorted(regions.items()))
         self.device_type = device_type
@@ -96,7 +114,23 @@ class EmulatedBackend(Backend):
         return self.root / pool
 
     def _files(self, pool: str) -> list[Path]:
-        return sorted(p for p in self._dir(pool).iterdir() if p.suffix in SUFFIXES)
+        """Backing files that hold space: namespaces and scratch namespaces."""
+        return sorted(p for p in self._dir(pool).iterdir()
+                      if p.suffix in SUFFIXES or p.suffix == SCRATCH_SUFFIX)
+
+    def _free_files(self, pool: str) -> list[tuple[Path, int]]:
+        out = []
+        for p in self._dir(pool).glob(f"*{FREE_SUFFIX}"):
+            try:
+                out.append((p, p.stat().st_size))
+            except FileNotFoundError:
+                continue
+        return sorted(out, key=lambda item: item[1])
+
+    def _named(self, name: str) -> list[Path]:
+        """Every backing file carrying ``name`` (namespace or scratch), in any pool."""
+        return [p for node in self.regions for p in self._files(f"region{node}")
+                if p.stem.rpartition("~")[0] == name]
 
     def _sized_files(self, pool: str) -> list[tuple[Path, int]]:
         """Backing files with their sizes, skipping any destroyed since the listing.
@@ -164,21 +198,50 @@ class EmulatedBackend(Backend):
 
     def create(self, name: str, pool: str, size: int, align: int,
                mode: str = "devdax") -> Namespace:
-        node = self._node(pool)
         if mode not in SUFFIX_FOR:
             raise InvalidArgument(f"unknown namespace mode {mode!r}: devdax or fsdax")
-        if self.get(name) is not None:
+        path = self._allocate(name, pool, size, f"~{align}{SUFFIX_FOR[mode]}")
+        try:
+            ns = self.get(name)  # attaches the loop device of an fsdax namespace
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        if ns is None:  # pragma: no cover - the file was just created
+            raise BackendError(f"namespace {name} vanished right after creation")
+        return ns
+
+    def create_scratch(self, name: str, pool: str, size: int) -> Namespace:
+        path = self._allocate(name, pool, size, f"~{REGION_ALIGN}{SCRATCH_SUFFIX}")
+        node = self._node(pool)
+        return Namespace(name=name, pool=pool, numa_node=node, size=size, usable_size=size,
+                         align=REGION_ALIGN, device=str(path), handle=str(path), mode="raw",
+                         fs_dax=False)
+
+    def _allocate(self, name: str, pool: str, size: int, tail: str) -> Path:
+        """The backing file ``<name><tail>`` of ``size`` bytes, complete or not at all."""
+        node = self._node(pool)
+        if self._named(name):
             raise AlreadyExists(f"a namespace named {name} already exists")
         free = next(p.free for p in self.pools() if p.name == pool)
         if size > free:
             raise ResourceExhausted(
                 f"{pool} (NUMA node {node}) has {describe_size(free)} free, "
                 f"{describe_size(size)} needed")
-        path = self._dir(pool) / f"{name}~{align}{SUFFIX_FOR[mode]}"
+        path = self._dir(pool) / f"{name}{tail}"
         # Allocated under a temporary name and linked into place when complete, so a
         # concurrent listing never sees (or loop-attaches) a half-allocated file.
         tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
         tmp.unlink(missing_ok=True)
+        if self.reuse and self._take_free_file(pool, size, tmp):
+            try:
+                os.link(tmp, path)
+            except FileExistsError as exc:
+                raise AlreadyExists(f"a namespace named {name} already exists") from exc
+            finally:
+                tmp.unlink(missing_ok=True)
+            return path
+        for stale, _ in self._free_files(pool):  # covered by the fresh space taken now
+            stale.unlink(missing_ok=True)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
@@ -193,25 +256,29 @@ class EmulatedBackend(Backend):
         finally:
             os.close(fd)
             tmp.unlink(missing_ok=True)
-        try:
-            ns = self.get(name)  # attaches the loop device of an fsdax namespace
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        if ns is None:  # pragma: no cover - the file was just created
-            raise BackendError(f"namespace {name} vanished right after creation")
-        return ns
+        return path
+
+    def _take_free_file(self, pool: str, size: int, tmp: Path) -> bool:
+        """Reuse the smallest free file that holds ``size`` bytes, with its old contents."""
+        for path, have in self._free_files(pool):
+            if have >= size:
+                os.rename(path, tmp)
+                os.truncate(tmp, size)
+                return True
+        return False
 
     def destroy(self, name: str) -> None:
-        ns = self.get(name)
-        if ns is None:
-            return
         with self._lock:  # no listing may re-attach between detach and unlink
-            if self._uses_loop(ns.mode):
-                for device, back in sorted(self.loops.loop_devices().items()):
-                    if back == ns.handle:
-                        self.loops.detach_loop(device)
-            Path(ns.handle).unlink(missing_ok=True)
+            for path in self._named(name):
+                parsed = self._parse_file(path)  # None for a scratch file: never a loop
+                if parsed is not None and self._uses_loop(parsed[2]):
+                    for device, back in sorted(self.loops.loop_devices().items()):
+                        if back == str(path):
+                            self.loops.detach_loop(device)
+                if self.reuse:
+                    path.rename(path.with_name(f"free-{uuid.uuid4().hex}{FREE_SUFFIX}"))
+                else:
+                    path.unlink(missing_ok=True)
 
     def open_device(self, ns: Namespace, readonly: bool, exclusive: bool = False) -> int:
         flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC

@@ -38,6 +38,7 @@ to run at any time.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -619,6 +620,48 @@ class NdctlBackend(Backend):
                 return recovered
             raise self._translate(e, target, size, align, name, mode) from e
         return self._created(out, name, target, size, align, mode)
+
+    def create_scratch(self, name: str, pool: str, size: int) -> Namespace:
+        """A raw namespace over ``size`` bytes (see the Backend contract): no info block
+        and no struct pages, so its block device ``/dev/pmemX.Y`` covers every byte and
+        zeroing it leaves nothing of the space unzeroed."""
+        _check_name(name)
+        listing = self._list()
+        if listing.named(name):
+            raise AlreadyExists(f"a namespace named {name} already exists")
+        region = listing.region(pool)
+        if region is None or region.get("type", "pmem") != "pmem":
+            raise Unavailable(f"pmem region {pool} is not present on this node")
+        target = self._pool(region, listing)
+        if target.problem:
+            raise Unavailable(target.problem)
+        if size <= 0 or size % target.align:
+            raise InvalidArgument(f"scratch namespace size {size} on {pool} must be a "
+                                  f"positive multiple of {format_bytes(target.align)}")
+        argv = [self._ndctl, "create-namespace", f"--region={pool}", "--mode=raw",
+                f"--size={size}", f"--name={name}"]
+        self.invalidate()
+        try:
+            out = self._runner.run_json(argv, timeout=self._timeout)
+        except CommandError as e:
+            with contextlib.suppress(CsiPmemError):
+                self.destroy(name)  # a partial one carries the name: it is ours
+            raise self._translate(e, target, size, REGION_ALIGN, name, "raw") from e
+        if isinstance(out, list):
+            out = out[0] if out else {}
+        if not isinstance(out, dict) or not out.get("blockdev"):
+            found = [ns for _, ns in self._list().named(name, ("raw",)) if ns.get("blockdev")]
+            if not found:
+                raise BackendError(f"ndctl made scratch namespace {name} without a block "
+                                   "device; is the nd_pmem module loaded?")
+            out = found[0]
+        node = out.get("numa_node")
+        return Namespace(name=name, pool=pool,
+                         numa_node=node if isinstance(node, int) and node >= 0
+                         else target.numa_node,
+                         size=size, usable_size=size, align=target.align,
+                         device=f"/dev/{out['blockdev']}", handle=str(out.get("dev", "")),
+                         mode="raw", fs_dax=False)
 
     def _usable_pool(self, listing: _Listing, pool: str, size: int, align: int,
                      mode: str) -> Pool:

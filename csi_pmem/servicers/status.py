@@ -21,6 +21,7 @@ from csi_pmem.errors import (
     NotFound,
     OutOfRange,
     ResourceExhausted,
+    SpaceBeingErased,
     Unavailable,
 )
 
@@ -31,6 +32,7 @@ STATUS_CODES: dict[type[BaseException], grpc.StatusCode] = {
     OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    SpaceBeingErased: grpc.StatusCode.RESOURCE_EXHAUSTED,  # its message says so
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     Aborted: grpc.StatusCode.ABORTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,

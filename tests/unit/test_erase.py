@@ -43,8 +43,10 @@ def make_file(path: Path, length: int, extra: int = 0) -> Path:
 def test_zeroes_and_verifies(shm_dir: Path) -> None:
     f = make_file(shm_dir / "vol", 8 * MiB)
     res = erase.zero_path(f, 8 * MiB, chunk=2 * MiB, threads=2)
-    assert res == erase.EraseResult(bytes=8 * MiB, seconds=res.seconds, threads=2,
-                                    verified=True)
+    assert (res.bytes, res.threads, res.verified, res.verify) == (8 * MiB, 2, True, "full")
+    # A regular file is no persistent memory: nothing claims the zeros are durable.
+    assert res.persisted is False
+    assert res.method == ("pmem_memset" if erase.pmem_memset() else "memset")
     assert res.seconds > 0
     assert f.read_bytes() == bytes(8 * MiB)
 
@@ -206,3 +208,69 @@ def test_worker_exception_propagates_and_mapping_is_released(
     monkeypatch.undo()
     erase.zero_path(f, 4 * MiB, chunk=MiB)
     assert f.read_bytes() == bytes(4 * MiB)
+
+
+# ------------------------------------------------------------------ sampled verification
+def test_sampled_verification_always_finds_a_skipped_chunk(shm_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    length, chunk = 8 * MiB, 2 * MiB
+    f = make_file(shm_dir / "vol", length)
+    monkeypatch.setattr(erase, "_zero_range",
+                        _nth_call(1, erase._zero_range, lambda addr, size: None))
+    with pytest.raises(BackendError, match=f"offset {chunk} "):
+        erase.zero_path(f, length, chunk=chunk, threads=1, verify=erase.SAMPLED)
+
+
+def test_sampled_verification_finds_any_surviving_run_of_a_stride(
+        shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stated guarantee: a non-zero run of STRIDE bytes anywhere is always found."""
+    length = 8 * MiB
+    real = erase._zero_range
+    for start in (12345, erase.STRIDE - 1, 3 * erase.STRIDE + erase.SAMPLE + 7,
+                  length - erase.STRIDE):
+        f = make_file(shm_dir / f"vol{start}", length)
+
+        def leave_a_run(addr: int, size: int, start: int = start) -> None:
+            real(addr, size)
+            ctypes.memset(addr + start, 0x5A, erase.STRIDE)
+
+        monkeypatch.setattr(erase, "_zero_range", _nth_call(0, real, leave_a_run))
+        with pytest.raises(BackendError, match="verification failed"):
+            erase.zero_path(f, length, chunk=length, threads=1, verify=erase.SAMPLED)
+
+
+def test_sampled_verification_reads_a_sixteenth(shm_dir: Path) -> None:
+    windows = erase._windows(0, 64 * MiB, erase.SAMPLED)
+    read = sum(n for _, n in windows)
+    assert 64 * MiB // 16 <= read <= 64 * MiB // 16 + 2 * erase.SAMPLE
+    assert windows[0][0] == 0 and windows[-1][0] + windows[-1][1] == 64 * MiB
+    f = make_file(shm_dir / "vol", 4 * MiB)
+    res = erase.zero_path(f, 4 * MiB, verify=erase.SAMPLED)
+    assert res.verify == erase.SAMPLED and res.verified
+    assert f.read_bytes() == bytes(4 * MiB)
+
+
+def test_cancel_stops_between_chunks(shm_dir: Path) -> None:
+    import threading
+
+    f = make_file(shm_dir / "vol", 4 * MiB)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(erase.EraseCancelled):
+        erase.zero_path(f, 4 * MiB, chunk=MiB, threads=1, cancel=cancel)
+    assert f.read_bytes() == pattern(4 * MiB), "a cancelled erase must not start"
+
+
+def test_worker_threads_pin_themselves(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    pinned: list[tuple[int, list[int]]] = []
+    real = os.sched_setaffinity
+    monkeypatch.setattr(os, "sched_setaffinity",
+                        lambda pid, cpus: (pinned.append((threading.get_ident(), list(cpus))),
+                                           real(pid, cpus)))
+    cpus = sorted(os.sched_getaffinity(0))[:1]
+    f = make_file(shm_dir / "vol", 4 * MiB)
+    erase.zero_path(f, 4 * MiB, chunk=MiB, threads=2, cpus=cpus)
+    assert pinned and all(c == cpus for _, c in pinned)
+    assert threading.get_ident() not in {t for t, _ in pinned}, "the caller was pinned"

@@ -1,0 +1,186 @@
+"""The background eraser: one queue of erase jobs served by a few worker threads.
+
+Why: zeroing a 200 GiB namespace takes tens of seconds even at the media's speed, far
+beyond what external-provisioner waits for a DeleteVolume. So DeleteVolume writes its
+intent (the volume's DELETING record), queues the erase here and returns; the job
+zeroes the namespace, destroys it, and only then is the space free, so GetCapacity
+(and with it CSIStorageCapacity) reports it only once it is erased. A restart finds the
+DELETING records and queues them again. Scrubs of dirty regions (:mod:`csi_pmem.scrub`)
+go through the same queue, so erases never compete with each other for more bandwidth
+than the workers allow.
+
+A job is a callable that gets a cancel event (set on shutdown, or when a scrub must
+give way to a CreateVolume); it owns its own crash safety. A job that fails is retried
+with a growing delay: its space stays unavailable rather than being released unerased.
+Each job has a key (the volume id, or ``scrub:<region>``); submitting a key that is
+queued or running returns that job, so a retried DeleteVolume queues nothing twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from csi_pmem.erase import EraseCancelled
+
+log = logging.getLogger(__name__)
+
+DELETE, SCRUB = "delete", "scrub"
+RETRY_FIRST, RETRY_MAX = 5.0, 600.0  # seconds between attempts of a failed job
+
+
+@dataclass
+class Job:
+    key: str
+    kind: str
+    pool: str
+    nbytes: int
+    run: Callable[[threading.Event], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    attempts: int = 0
+    error: str = ""
+
+
+class EraseQueue:
+    """Jobs in FIFO order on ``workers`` threads; see the module docstring."""
+
+    def __init__(self, workers: int = 2,
+                 on_done: Callable[[Job, float], None] | None = None) -> None:
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._jobs: dict[str, Job] = {}  # queued, running or waiting for a retry
+        self._cond = threading.Condition()
+        self._closed = False
+        self._timers: list[threading.Timer] = []
+        self.on_done = on_done or (lambda job, seconds: None)
+        self._threads = [threading.Thread(target=self._work, name=f"eraser-{i}", daemon=True)
+                         for i in range(max(1, workers))]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ submit
+    def submit(self, key: str, kind: str, pool: str, nbytes: int,
+               run: Callable[[threading.Event], None]) -> Job:
+        with self._cond:
+            job = self._jobs.get(key)
+            if job is not None:
+                return job
+            job = Job(key=key, kind=kind, pool=pool, nbytes=nbytes, run=run)
+            if self._closed:
+                return job  # shutting down: the intent in the state store resumes it
+            self._jobs[key] = job
+            self._queue.put(job)
+            self._cond.notify_all()
+        return job
+
+    # ------------------------------------------------------------------ queries
+    def get(self, key: str) -> Job | None:
+        with self._cond:
+            return self._jobs.get(key)
+
+    def jobs(self, kind: str | None = None) -> list[Job]:
+        with self._cond:
+            return [j for j in self._jobs.values() if kind is None or j.kind == kind]
+
+    def pending_bytes(self, pools: set[str] | None = None, kind: str = DELETE) -> int:
+        """Bytes that queued or running jobs of ``kind`` will free in ``pools``."""
+        return sum(j.nbytes for j in self.jobs(kind) if pools is None or j.pool in pools)
+
+    def wait(self, key: str, timeout: float) -> bool:
+        """Wait until no job with ``key`` is left; False if one still is at the timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while key in self._jobs:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def wait_any(self, timeout: float) -> None:
+        """Wait until some job finishes (or the timeout passes)."""
+        with self._cond:
+            self._cond.wait(timeout)
+
+    def cancel(self, key: str) -> Job | None:
+        """Ask the job with ``key`` to stop (a running one stops at its next chunk)."""
+        with self._cond:
+            job = self._jobs.get(key)
+        if job is not None:
+            job.cancel.set()
+        return job
+
+    # ------------------------------------------------------------------ workers
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancel.is_set():
+                self._finish(job)
+                continue
+            job.started_at = time.monotonic()
+            job.attempts += 1
+            try:
+                job.run(job.cancel)
+            except EraseCancelled:
+                log.info("%s job %s stopped before its end; it resumes later", job.kind,
+                         job.key)
+                self._finish(job)
+            except Exception as exc:  # a job must never kill its worker
+                job.error = str(exc) or type(exc).__name__
+                log.exception("%s job %s failed (attempt %d); retrying later, its space "
+                              "stays unavailable", job.kind, job.key, job.attempts)
+                self._retry(job)
+            else:
+                self.on_done(job, time.monotonic() - job.queued_at)
+                self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        with self._cond:
+            if self._jobs.get(job.key) is job:
+                del self._jobs[job.key]
+            job.done.set()
+            self._cond.notify_all()
+
+    def _retry(self, job: Job) -> None:
+        delay = min(RETRY_MAX, RETRY_FIRST * 2 ** (job.attempts - 1))
+
+        def again() -> None:
+            with self._cond:
+                if self._closed or job.cancel.is_set():
+                    return
+                self._queue.put(job)
+
+        with self._cond:
+            if self._closed:
+                return
+            timer = threading.Timer(delay, again)
+            timer.daemon = True
+            self._timers.append(timer)
+            timer.start()
+
+    # ------------------------------------------------------------------ stop
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop: running jobs are cancelled (their intents resume them on restart)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            jobs = list(self._jobs.values())
+            timers, self._timers = self._timers, []
+        for t in timers:
+            t.cancel()
+        for job in jobs:
+            job.cancel.set()
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
