@@ -606,7 +606,8 @@ def test_delete_erases_and_frees(release: Cluster) -> None:
     assert vol_id not in json.dumps(listed)
 
 
-def test_node_pod_restart_keeps_capacity_objects(release: Cluster, capsys) -> None:
+def test_node_pod_restart_keeps_capacity_objects(release: Cluster,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """A node-pod restart must not take the node's CSIStorageCapacity objects with it.
 
     With --capacity-ownerref-level=0 the objects are owned by the pod, so deleting it
