@@ -17,6 +17,7 @@ proxy cannot provide helm (the script's exit status 3), with its reason.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -283,14 +284,54 @@ def test_provisioner_node_deployment_with_capacity(default: Manifests) -> None:
     assert re.search(r"/csi-provisioner:v6\.\d+\.\d+$", prov["image"]), prov["image"]
     args = prov["args"]
     for flag in ("--csi-address=/csi/csi.sock", "--node-deployment=true", "--strict-topology",
-                 "--enable-capacity", "--capacity-ownerref-level=0",
-                 "--feature-gates=Topology=true", "--extra-create-metadata"):
+                 "--enable-capacity", "--extra-create-metadata"):
         assert flag in args, flag
+    # The DaemonSet owns the capacity objects (external-provisioner's README for node
+    # deployment), so a node-pod restart does not garbage-collect them.
+    assert [a for a in args if a.startswith("--capacity-ownerref-level")] == \
+        ["--capacity-ownerref-level=1"]
+    # Topology is GA in external-provisioner v6 (on by default): no feature gate.
+    assert not any(a.startswith("--feature-gates") for a in args), args
     assert not any(a.startswith("--leader-election") for a in args)
     env = default.env("csi-provisioner")
     assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+
+CONTAINER_VALUES = {"driver": "driver", "csi-provisioner": "provisioner",
+                    "node-driver-registrar": "registrar", "liveness-probe": "livenessProbe",
+                    "gpu-copy": "gpuCopy"}
+
+
+def test_security_contexts_default_and_override(helm: str) -> None:
+    """Each container's securityContext is its value, the defaults are the ones the
+    design needs (only the driver privileged), and a user's value overrides them."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    m = Manifests(render(helm, "--set", "gpuCopy.enabled=true"))
+    assert {c["name"] for c in m.pod["containers"]} == set(CONTAINER_VALUES)
+    for container, key in CONTAINER_VALUES.items():
+        assert m.container(container)["securityContext"] == values[key]["securityContext"]
+    assert m.container("driver")["securityContext"] == {"privileged": True}
+    for container in ("csi-provisioner", "node-driver-registrar", "liveness-probe"):
+        assert m.container(container)["securityContext"] == {
+            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}, container
+    # Helm merges a value into the default key by key; null drops a default key.
+    restricted = {"runAsNonRoot": True, "runAsUser": 65532,
+                  "seccompProfile": {"type": "RuntimeDefault"}}
+    sets = [a for key in ("provisioner", "registrar", "livenessProbe") for a in (
+        "--set-json", f"{key}.securityContext={json.dumps(restricted)}")]
+    o = Manifests(render(helm, *sets, "--set-json",
+                         'driver.securityContext={"seLinuxOptions": {"type": "spc_t"}}',
+                         "--set-json", "registrar.securityContext.readOnlyRootFilesystem=null"))
+    for container in ("csi-provisioner", "node-driver-registrar", "liveness-probe"):
+        want = {**values[CONTAINER_VALUES[container]]["securityContext"], **restricted}
+        if container == "node-driver-registrar":
+            del want["readOnlyRootFilesystem"]
+        assert o.container(container)["securityContext"] == want, container
+    assert o.container("driver")["securityContext"] == {
+        "privileged": True, "seLinuxOptions": {"type": "spc_t"}}
 
 
 def test_kubelet_dir_is_one_value(helm: str) -> None:
@@ -619,7 +660,11 @@ def test_rbac_covers_node_deployment_and_capacity(default: Manifests) -> None:
     # Capacity objects are namespaced: the Role grants them, in the release namespace.
     assert {"get", "list", "watch", "create", "update", "patch", "delete"} <= granted(
         ns, "storage.k8s.io", "csistoragecapacities")
-    assert granted(ns, "", "pods") == {"get"}  # owner lookup, level 0: the pod itself
+    # Owner lookup at level 1: the provisioner gets its own Pod and takes the DaemonSet's
+    # reference from it (external-provisioner pkg/owner: the parent is only read from
+    # level 2 on), so nothing of apps/ is needed.
+    assert granted(ns, "", "pods") == {"get"}
+    assert not [r for r in ns + cluster if "apps" in r["apiGroups"]], ns + cluster
     role = default.one("Role")
     assert role["metadata"]["namespace"] == NAMESPACE
 
@@ -698,6 +743,11 @@ def test_metrics_service_and_optional_servicemonitor(helm: str, default: Manifes
     ("gpuCopy.runtimeClassName=NVIDIA", "/gpuCopy/runtimeClassName"),
     ("gpuCopy.image.pullPolicy=Sometimes", "/gpuCopy/image/pullPolicy"),
     ("gpuCopy.gpus=1", "gpus"),  # a typo (or a GPU request) is an error
+    ("driver.securityContext.privileged=yes", "/driver/securityContext/privileged"),
+    ("registrar.securityContext.runAsUsr=1000", "runAsUsr"),  # a typo is an error
+    ("livenessProbe.securityContext.runAsUser=-1", "/livenessProbe/securityContext/runAsUser"),
+    ("provisioner.securityContext.seccompProfile.type=Default",
+     "/provisioner/securityContext/seccompProfile/type"),
 ])
 def test_schema_rejects_bad_values(helm: str, setting: str, path: str) -> None:
     proc = run_helm(helm, "template", "--set", setting)
@@ -732,6 +782,56 @@ def test_schema_describes_every_value() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert walk_values(values, schema) == []
+
+
+# Kubernetes objects the chart passes through as given: one README row each, not one
+# per field inside.
+PASSED_THROUGH = {"resources", "securityContext", "updateStrategy"}
+
+
+def value_keys(values: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """Every key of values.yaml, top-level and nested, as dotted paths with its default
+    (the chart's own structure; the Kubernetes objects above are leaves)."""
+    out: dict[str, Any] = {}
+    for key, val in values.items():
+        dotted = f"{path}.{key}" if path else key
+        out[dotted] = val
+        if isinstance(val, dict) and val and key not in PASSED_THROUGH:
+            out.update(value_keys(val, dotted))
+    return out
+
+
+def readme_rows() -> dict[str, str]:
+    """{key: default cell} of the values table in charts/csi-pmem/README.md."""
+    text = (CHART / "README.md").read_text()
+    table = text.split("\n## Values\n", 1)[1]
+    rows = {}
+    for line in table.splitlines():
+        m = re.match(r"^\| `([^`]+)` \| ([^|]*) \|", line)
+        if m:
+            assert m.group(1) not in rows, f"README lists {m.group(1)} twice"
+            rows[m.group(1)] = m.group(2).strip()
+    return rows
+
+
+def test_chart_readme_lists_every_value_with_its_default() -> None:
+    values = value_keys(yaml.safe_load((CHART / "values.yaml").read_text()))
+    rows = readme_rows()
+    # A key whose value is a map of the chart's own keys is listed through its children.
+    leaves = {k: v for k, v in values.items()
+              if not (isinstance(v, dict) and v and k.rsplit(".", 1)[-1] not in PASSED_THROUGH)}
+    assert sorted(set(leaves) - set(rows)) == [], "values.yaml keys missing from the README"
+    assert sorted(set(rows) - set(leaves)) == [], "README rows that are no value"
+    for key, val in leaves.items():
+        if isinstance(val, bool):
+            want = f"`{str(val).lower()}`"
+        elif isinstance(val, int | float | str):
+            want = f"`{val}`" if val != "" else '`""`'
+        else:  # lists and maps: the row shows them in YAML flow style
+            flow = yaml.safe_load(rows[key].strip("`"))
+            assert flow == val, (key, rows[key], val)
+            continue
+        assert rows[key] == want, (key, rows[key], want)
 
 
 def test_notes_render_with_next_steps(helm: str, tmp_path: Path) -> None:

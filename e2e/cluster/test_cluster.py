@@ -12,6 +12,7 @@ and share one helm release; numbers go to $E2E_RESULTS/results.json.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -603,6 +604,80 @@ def test_delete_erases_and_frees(release: Cluster) -> None:
     assert erased >= size, f"erased {erased} bytes of a {size}-byte volume"
     listed = k.driver_json("list")
     assert vol_id not in json.dumps(listed)
+
+
+def test_node_pod_restart_keeps_capacity_objects(release: Cluster,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A node-pod restart must not take the node's CSIStorageCapacity objects with it.
+
+    With --capacity-ownerref-level=0 the objects are owned by the pod, so deleting it
+    garbage-collects them and the scheduler sees no room on the node until the new pod's
+    provisioner publishes them again; with 1 (the chart's default, what
+    external-provisioner's README recommends for node deployment) the DaemonSet owns
+    them and the new provisioner takes them over. Polls every 0.2 s across the restart:
+    seconds with some class's object missing, seconds with objects that no running
+    provisioner maintains (stale), and whether the objects (their UIDs) survived.
+    """
+    k = release
+    classes = {CLASS_AUTO, CLASS_N0, CLASS_N1, CLASS_FSDAX}
+
+    def objects() -> dict[str, list[client.V1CSIStorageCapacity]]:
+        out: dict[str, list[client.V1CSIStorageCapacity]] = {}
+        for c in k.storage.list_namespaced_csi_storage_capacity(DRIVER_NS).items:
+            labels = (c.node_topology.match_labels or {}) if c.node_topology else {}
+            if labels.get(TOPOLOGY_KEY) == k.node:
+                out.setdefault(c.storage_class_name, []).append(c)
+        return out
+
+    settled = wait_until("one capacity object per class", lambda: (
+        (o := objects()) and classes <= set(o) and all(len(v) == 1 for v in o.values())
+        and o), 120)
+    uids_before = {cls: v[0].metadata.uid for cls, v in settled.items()}
+    owners = {cls: [(r.kind, r.name) for r in v[0].metadata.owner_references or []]
+              for cls, v in settled.items()}
+    old = k.driver_pod().metadata.name
+    t0 = time.monotonic()
+    k.core.delete_namespaced_pod(old, DRIVER_NS)
+    # (t, classes present, UIDs present, a ready driver pod other than the old one)
+    samples: list[tuple[float, set[str], set[str], bool]] = []
+    ready_at: float | None = None
+    while True:
+        now = time.monotonic() - t0
+        assert now < 180, f"no ready driver pod with all capacity objects after 180 s: " \
+                          f"{samples[-1] if samples else None}"
+        objs = objects()
+        pod = k.driver_ready()
+        ready = pod is not None and pod.metadata.name != old
+        samples.append((now, {c for c in classes if objs.get(c)},
+                        {o.metadata.uid for v in objs.values() for o in v}, ready))
+        if ready and ready_at is None:
+            ready_at = now
+        # 10 s past readiness: the new provisioner has listed and taken over (level 1)
+        # or published anew (level 0) by then.
+        if ready_at is not None and now - ready_at >= 10 and classes <= samples[-1][1]:
+            break
+        time.sleep(0.2)
+    missing = stale = 0.0
+    first_missing = last_missing = None
+    for (t, present, _, ready), (t_next, *_) in itertools.pairwise(samples):
+        if classes - present:
+            missing += t_next - t
+            first_missing = t if first_missing is None else first_missing
+            last_missing = t_next
+        elif not ready:
+            stale += t_next - t
+    final = samples[-1][2]
+    result = {
+        "owners": owners, "samples": len(samples), "ready_after_s": round(ready_at, 2),
+        "no_object_seconds": round(missing, 2), "stale_object_seconds": round(stale, 2),
+        "missing_from_to_s": [first_missing and round(first_missing, 2),
+                              last_missing and round(last_missing, 2)],
+        "uids_kept": set(uids_before.values()) <= final}
+    record("capacity_across_node_pod_restart", result)
+    with capsys.disabled():
+        print(f"\ncapacity objects across a node-pod restart: {json.dumps(result)}")
+    assert result["uids_kept"], (uids_before, final, result)
+    assert missing == 0, result
 
 
 def test_driver_restart_keeps_workloads(release: Cluster) -> None:
