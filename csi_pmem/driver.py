@@ -116,7 +116,8 @@ class Driver:
 
     def __init__(self, config: DriverConfig, backend: Backend, store: StateStore,
                  dax: DaxSocketServer, on_erase: Callable[[int, float], None] | None = None,
-                 gpu_copy: ServiceLink | None = None, mounter: Mounter | None = None):
+                 gpu_copy: ServiceLink | None = None, mounter: Mounter | None = None,
+                 on_erase_error: Callable[[], None] | None = None):
         self.config = config
         self.backend = backend
         self.store = store
@@ -127,6 +128,9 @@ class Driver:
         self.inflight = InFlight()
         self.node_lock = threading.Lock()
         self.on_erase = on_erase or (lambda nbytes, seconds: None)
+        # Called when zeroing a namespace fails (the delete then fails and is retried):
+        # metrics count it, since data that outlives its volume is what erase prevents.
+        self.on_erase_error = on_erase_error or (lambda: None)
         self.orphans: list[str] = []
         self._kubelet_real = os.path.realpath(config.kubelet_dir)
         # One publisher per device mode, behind one interface (csi_pmem.node); what
@@ -315,11 +319,15 @@ class Driver:
         log.info("deleted volume %s (%s)", rec.id, rec.name)
 
     def _erase(self, ns: Namespace) -> None:
-        fd = self.backend.open_device(ns, readonly=False, exclusive=True)
         try:
-            result = zero_fd(fd, ns.usable_size, threads=self.config.erase_threads)
-        finally:
-            os.close(fd)
+            fd = self.backend.open_device(ns, readonly=False, exclusive=True)
+            try:
+                result = zero_fd(fd, ns.usable_size, threads=self.config.erase_threads)
+            finally:
+                os.close(fd)
+        except Exception:
+            self.on_erase_error()
+            raise
         self.on_erase(result.bytes, result.seconds)
         log.info("erased %s: %s in %.3f s (%.2f GB/s, %d threads)", ns.name,
                  format_bytes(result.bytes), result.seconds,
