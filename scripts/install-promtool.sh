@@ -20,7 +20,7 @@ set -euo pipefail
 PROMTOOL_PINNED="v0.310.0"
 MODULE="github.com/prometheus/prometheus"
 # Bump when the build flags below change: cached binaries of another recipe are rebuilt.
-RECIPE="go-build-main-module-cgo0-1"
+RECIPE="go-build-main-module-cgo0-version-2"
 
 want="${PROMTOOL_VERSION:-${PROMTOOL_PINNED}}"
 cache_root="${CSI_PMEM_CACHE:-${HOME}/.cache/csi-pmem}"
@@ -59,10 +59,16 @@ if [[ -z "${src}" || ! -d "${src}" ]]; then
     log "error: the Go module proxy could not provide ${MODULE}@${want}"
     exit 3
 fi
+# The version promtool --version prints, as release builds stamp it (Prometheus 3.X.Y is
+# module v0.3XX.Y: v0.310.0 -> 3.10.0).
+IFS=. read -r _ minor patch <<< "${want#v}"
+release="$((minor / 100)).$((minor % 100)).${patch}"
+ldflags="-s -w -X github.com/prometheus/common/version.Version=${release}"
+ldflags+=" -X github.com/prometheus/common/version.Branch=module-proxy"
 cp -r "${src}" "${tmp}/src"
 chmod -R u+w "${tmp}/src"
 if ! (cd "${tmp}/src" && GOWORK=off CGO_ENABLED=0 GOFLAGS="${GOFLAGS:+${GOFLAGS} }-mod=mod" \
-    go build -trimpath -ldflags "-s -w" -o "${tmp}/promtool" ./cmd/promtool >&2); then
+    go build -trimpath -ldflags "${ldflags}" -o "${tmp}/promtool" ./cmd/promtool >&2); then
     log "error: promtool ${want} did not build from the module proxy's sources"
     exit 3
 fi

@@ -21,7 +21,7 @@ from csi_pmem.servicers import rpc as rpc_module
 from conftest import MiB
 from inprocess import DRIVER_NAME, InProcessNode
 
-# csi-lib-utils metrics/metrics.go (operationsLatencyBuckets), read at v0.24.
+# csi-lib-utils metrics/metrics.go (operationsLatencyBuckets), read at v0.24.0.
 UPSTREAM_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 25, 50, 120, 300, 600)
 
 
@@ -71,6 +71,9 @@ def test_operations_use_csi_lib_utils_labels_and_buckets(node, metrics):
     assert value(metrics, count, driver_name=DRIVER_NAME, grpc_status_code="OK",
                  method_name="/csi.v1.Identity/Probe") == 1
     assert BUCKETS == UPSTREAM_BUCKETS
+    assert ("# HELP csi_plugin_operations_seconds [ALPHA] Container Storage Interface "
+            "operation duration with gRPC error code status total\n"
+            in generate_latest(metrics.registry).decode())
     les = sorted(float(labels["le"]) for n, labels in names(metrics, "csi_plugin_operations")
                  if n.endswith("_bucket") and labels["grpc_status_code"] == "OutOfRange")
     assert les == [*map(float, UPSTREAM_BUCKETS), float("inf")]
