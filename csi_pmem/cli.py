@@ -1,32 +1,73 @@
+# PYTHON_ARGCOMPLETE_OK (argcomplete's global completion looks for this marker)
 """Command line: ``csi-pmem serve`` runs the driver, ``csi-pmem volume ...`` talks to it.
 
 The ``volume`` commands are a small CSI client over the driver's socket so a newcomer
 can create, publish and inspect volumes without Kubernetes; they send exactly the RPCs
-external-provisioner and kubelet would send.
+external-provisioner and kubelet would send. What they print is
+:mod:`csi_pmem.volume_output`'s (a table on a terminal, JSON for scripts); what they
+exit with is :func:`exit_code`'s table over :class:`csi_pmem.cmdline.Exit`. The help
+texts are written out here, not taken from docstrings, so ``--help`` shows no markup.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+from typing import Any
 
-from csi_pmem import config
+from csi_pmem import config, volume_output
+from csi_pmem.cmdline import (
+    COMPLETION_HELP,
+    Exit,
+    HelpFormatter,
+    add_version,
+    enable_completion,
+    exit_codes_epilog,
+    quantity,
+    quiet_broken_pipe,
+)
 from csi_pmem.errors import CsiPmemError
 
-USER_ERROR = 2
-NOT_INSTALLED = 1
 # What the `driver` extra installs, by top-level module (protobuf is google.protobuf):
 # an install without it (`pip install csi-pmem[loader]`, an inference pod's) runs
 # `serve` and `volume` to a one-line "install csi-pmem[driver]", not a traceback.
-DRIVER_MODULES = ("grpc", "google", "prometheus_client", "pyudev")
+DRIVER_MODULES = ("grpc", "google", "prometheus_client", "pyudev", "yaml")
+EXIT_CODES = (Exit.OK, Exit.ERROR, Exit.USAGE, Exit.REFUSED, Exit.UNREACHABLE,
+              Exit.BROKEN_PIPE)
+DESCRIPTION = ("csi-pmem serve runs the CSI driver; csi-pmem volume ... talks to it over "
+               "its socket, sending the RPCs external-provisioner and kubelet would send.")
+VOLUME_EPILOG = """output: -o table is the default when stdout is a terminal, -o json otherwise, so
+scripts that read the JSON keep working; -o name prints only volume ids, e.g.
+  ID=$(csi-pmem volume create llama --size 1Gi -o name)"""
+
+
+def key_value(text: str) -> tuple[str, str]:
+    """An argparse type: a StorageClass parameter ``KEY=VALUE``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"parameter {text!r} must look like KEY=VALUE, "
+                                         "e.g. numaNode=1")
+    return key, value
+
+
+def _complete_volume_ids(prefix: str, parsed_args: argparse.Namespace,
+                         **_: Any) -> list[str]:
+    """argcomplete's completer for VOLUME_ID: the ids the driver lists."""
+    from csi_pmem import client
+
+    return [v for v in client.volume_ids(parsed_args) if v.startswith(prefix)]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="csi-pmem", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the CSI driver (Identity, Controller, Node)")
+    ap = argparse.ArgumentParser(
+        prog="csi-pmem", description=DESCRIPTION, formatter_class=HelpFormatter,
+        epilog=exit_codes_epilog(EXIT_CODES, COMPLETION_HELP.format(prog="csi-pmem")))
+    add_version(ap)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="run the CSI driver (Identity, Controller, Node)",
+                           description="Run the CSI driver (Identity, Controller, Node). "
+                           "Every flag is also an environment variable CSI_PMEM_<FLAG>.")
     config.add_serve_flags(serve)
     from csi_pmem.gpucopy import main as gpu_copy
 
@@ -34,51 +75,70 @@ def build_parser() -> argparse.ArgumentParser:
         "gpu-copy", help="run the node's GPU copy service (weights from published volumes "
                          "to pods' GPU memory)"))
 
-    vol = sub.add_parser("volume", help="create, list, publish ... volumes over the CSI socket")
+    vol = sub.add_parser(
+        "volume", help="create, list, publish ... volumes over the CSI socket",
+        description="A CSI client over the driver's socket: create, publish and inspect "
+                    "volumes without Kubernetes.", formatter_class=HelpFormatter,
+        epilog=exit_codes_epilog(EXIT_CODES, VOLUME_EPILOG))
     vol.add_argument("--endpoint", default=os.environ.get(config.env_name("endpoint"),
                                                           config.DEFAULTS["endpoint"]),
                      help="driver endpoint [env CSI_PMEM_ENDPOINT]")
     vol.add_argument("--timeout", type=float, default=120, help="seconds per call")
-    vsub = vol.add_subparsers(dest="action", required=True)
-    c = vsub.add_parser("create", help="CreateVolume")
+    out = argparse.ArgumentParser(add_help=False)
+    out.add_argument("-o", "--output", choices=volume_output.FORMATS, default=None,
+                     help=volume_output.FORMAT_HELP)
+    vsub = vol.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    def action(name: str, help: str) -> argparse.ArgumentParser:
+        return vsub.add_parser(name, help=help, description=help, parents=[out],
+                               formatter_class=HelpFormatter)
+
+    def volume_id(parser: argparse.ArgumentParser) -> None:
+        arg = parser.add_argument("volume_id", metavar="VOLUME_ID")
+        arg.completer = _complete_volume_ids  # type: ignore[attr-defined]
+
+    c = action("create", "CreateVolume: carve a volume of at least --size")
     c.add_argument("name")
-    c.add_argument("--size", required=True,
+    c.add_argument("--size", required=True, type=quantity,
                    help="minimum usable size, a Kubernetes quantity: 1Gi is 1 GiB, 1G is "
                         "10^9 bytes")
-    c.add_argument("--limit", default="0", help="maximum size, a quantity (0: none)")
+    c.add_argument("--limit", default=0, type=quantity,
+                   help="maximum size, a quantity (0: none)")
     c.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
+                   type=key_value,
                    help="StorageClass parameter (deviceMode, numaNode, align, eraseOnDelete)")
     _access_flags(c)
-    vsub.add_parser("list", help="ListVolumes")
-    d = vsub.add_parser("delete", help="DeleteVolume")
-    d.add_argument("volume_id")
-    p = vsub.add_parser("publish", help="NodePublishVolume (devdax: mounts volume.json and "
-                        "dax.sock; fsdax: binds the device or the staged file system)")
-    p.add_argument("volume_id")
+    action("list", "ListVolumes, with each volume's condition")
+    d = action("delete", "DeleteVolume (erases, then frees the space)")
+    volume_id(d)
+    p = action("publish", "NodePublishVolume (devdax: mounts volume.json and dax.sock; "
+               "fsdax: binds the device or the staged file system)")
+    volume_id(p)
     p.add_argument("target")
     p.add_argument("--readonly", action="store_true")
     p.add_argument("--pod-uid", default="", help="only processes of this pod may get the fd")
     p.add_argument("--staging", default="", help="staging path of an fsdax file system")
     _access_flags(p)
-    st = vsub.add_parser("stage", help="NodeStageVolume (fsdax: mkfs once, mount with -o dax)")
-    st.add_argument("volume_id")
+    st = action("stage", "NodeStageVolume (fsdax: mkfs once, mount with -o dax)")
+    volume_id(st)
     st.add_argument("staging")
     _access_flags(st)
-    ust = vsub.add_parser("unstage", help="NodeUnstageVolume")
-    ust.add_argument("volume_id")
+    ust = action("unstage", "NodeUnstageVolume")
+    volume_id(ust)
     ust.add_argument("staging")
-    u = vsub.add_parser("unpublish", help="NodeUnpublishVolume")
-    u.add_argument("volume_id")
+    u = action("unpublish", "NodeUnpublishVolume")
+    volume_id(u)
     u.add_argument("target")
-    cap = vsub.add_parser("capacity", help="GetCapacity")
-    cap.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE")
-    s = vsub.add_parser("stats", help="NodeGetVolumeStats")
-    s.add_argument("volume_id")
+    cap = action("capacity", "GetCapacity: free bytes and the largest volume that fits")
+    cap.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
+                     type=key_value, help="StorageClass parameter, e.g. numaNode=1")
+    s = action("stats", "NodeGetVolumeStats: bytes (and inodes on fsdax) and the condition")
+    volume_id(s)
     s.add_argument("target")
-    i = vsub.add_parser("inspect", help="connect to a published volume's dax.sock, map it and "
-                        "report what a pod would get (no gRPC)")
+    i = action("inspect", "connect to a published volume's dax.sock, map it and report "
+               "what a pod would get (no gRPC)")
     i.add_argument("target")
-    vsub.add_parser("info", help="GetPluginInfo, Probe and NodeGetInfo")
+    action("info", "GetPluginInfo, Probe and NodeGetInfo")
     return ap
 
 
@@ -88,8 +148,29 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fs-type", default="", help="fsdax file system: ext4 (default) or xfs")
 
 
+def exit_code(exc: BaseException) -> Exit:
+    """The one table from what went wrong to the exit status (:data:`cmdline.MEANING`
+    says what each status tells a script; ``--help`` lists them)."""
+    table: list[tuple[type[BaseException], Exit]] = [(volume_output.OutputError, Exit.USAGE)]
+    try:
+        from csi_pmem import client
+    except ModuleNotFoundError:  # no driver extra: no client, so none of its errors
+        pass
+    else:
+        table += [(client.DriverUnreachable, Exit.UNREACHABLE),
+                  (client.DriverRefused, Exit.REFUSED)]
+    return next((code for cls, code in table if isinstance(exc, cls)), Exit.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    enable_completion(parser)
+    args = parser.parse_args(argv)
+    with quiet_broken_pipe():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "serve":
             from csi_pmem import logs, server
@@ -104,22 +185,22 @@ def main(argv: list[str] | None = None) -> int:
         from csi_pmem import client
         from csi_pmem.daxclient import DaxSocketError
 
+        fmt = args.output or volume_output.default_format()
+        volume_output.check(args.action, fmt)
         try:
             result = client.run(args)
         except DaxSocketError as exc:
             raise client.ClientError(str(exc)) from None
+        text = volume_output.render(args.action, result, fmt)
     except CsiPmemError as exc:
         print(f"csi-pmem: {exc}", file=sys.stderr)
-        return USER_ERROR
+        return exit_code(exc)
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in DRIVER_MODULES:
             raise
         print(f"csi-pmem: {args.command} needs the driver's dependencies, and {exc.name} is "
               "not installed: pip install 'csi-pmem[driver]'", file=sys.stderr)
-        return NOT_INSTALLED
-    if result is not None:
-        try:
-            print(json.dumps(result, indent=2, sort_keys=True))
-        except BrokenPipeError:  # `csi-pmem volume list | head`
-            sys.stderr.close()
-    return 0
+        return exit_code(exc)
+    if text:
+        print(text)
+    return Exit.OK

@@ -1,4 +1,11 @@
-"""The ``csi-pmem volume`` client: CSI calls over the driver socket, printed as JSON."""
+"""The ``csi-pmem volume`` client: CSI calls over the driver socket.
+
+Each action returns the answer as the CSI messages' JSON mapping
+(:mod:`csi_pmem.volume_output` prints it as a table, JSON, YAML or bare ids). A gRPC
+error becomes :class:`DriverRefused` (the driver answered with a status) or
+:class:`DriverUnreachable` (no answer), which the command line maps to distinct exit
+codes (:mod:`csi_pmem.cmdline`).
+"""
 
 from __future__ import annotations
 
@@ -12,23 +19,25 @@ from google.protobuf import json_format
 from csi_pmem.config import grpc_address
 from csi_pmem.csi import csi_pb2, csi_pb2_grpc
 from csi_pmem.errors import CsiPmemError
-from csi_pmem.sizes import parse_quantity
 
 Mode = csi_pb2.VolumeCapability.AccessMode
 
 
 class ClientError(CsiPmemError):
-    pass
+    """The request could not be made on this side (a dax.sock that refuses, ...)."""
 
 
-def _params(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ClientError(f"parameter {item!r} must look like KEY=VALUE")
-        out[key] = value
-    return out
+class DriverRefused(ClientError):
+    """The driver answered with a gRPC error status; ``str(e)`` starts with its name."""
+
+
+class DriverUnreachable(ClientError):
+    """No answer: nothing listens at the endpoint, or none within the timeout."""
+
+
+# gRPC's own words when it cannot connect (the driver never says them): told apart from
+# an UNAVAILABLE the driver answers on purpose (a back end that cannot carve volumes).
+_NO_CONNECTION = "failed to connect to all addresses"
 
 
 def _cap(readonly: bool = False, args: argparse.Namespace | None = None,
@@ -62,36 +71,68 @@ def inspect(target: str) -> dict:
         os.close(fd)
 
 
-def run(args: argparse.Namespace) -> dict | None:
+def run(args: argparse.Namespace) -> dict:
     if args.action == "inspect":
         return inspect(args.target)
-    address, _ = grpc_address(args.endpoint)
+    address, path = grpc_address(args.endpoint)
+    if path and not os.path.exists(path):
+        raise DriverUnreachable(f"no driver socket at {path}: is the driver running "
+                                "(`make run`), and is --endpoint / CSI_PMEM_ENDPOINT right?")
     with grpc.insecure_channel(address) as channel:
         try:
             return _call(args, channel)
         except grpc.RpcError as exc:
-            raise ClientError(f"{exc.code().name}: {exc.details()}") from None
+            code, details = exc.code(), exc.details() or ""
+            message = f"{code.name}: {details}"
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DriverUnreachable(f"{message} (no answer from {args.endpoint} within "
+                                        f"--timeout {args.timeout:g} s)") from None
+            if code == grpc.StatusCode.UNAVAILABLE and _NO_CONNECTION in details:
+                raise DriverUnreachable(f"{message} (is the driver running at "
+                                        f"{args.endpoint}?)") from None
+            raise DriverRefused(message) from None
 
 
-def _call(args: argparse.Namespace, channel: grpc.Channel) -> dict | None:
+def volume_ids(args: argparse.Namespace) -> list[str]:
+    """The driver's volume ids, for shell completion: quick, and empty on any failure
+    (a completion must never print an error into the user's command line)."""
+    try:
+        quick = argparse.Namespace(endpoint=args.endpoint,
+                                   timeout=min(getattr(args, "timeout", 2.0), 2.0))
+        return [e["volume"]["volume_id"] for e in list_volumes(quick)["entries"]]
+    except Exception:  # whatever went wrong, completion offers nothing
+        return []
+
+
+def list_volumes(args: argparse.Namespace) -> dict:
+    address, _ = grpc_address(args.endpoint)
+    with grpc.insecure_channel(address) as channel:
+        return _list(csi_pb2_grpc.ControllerStub(channel), args.timeout)
+
+
+def _list(ctl: csi_pb2_grpc.ControllerStub, timeout: float) -> dict:
+    entries, token = [], ""
+    while True:
+        resp = ctl.ListVolumes(csi_pb2.ListVolumesRequest(starting_token=token),
+                               timeout=timeout)
+        entries += [_dict(e) for e in resp.entries]
+        token = resp.next_token
+        if not token:
+            return {"entries": entries}
+
+
+def _call(args: argparse.Namespace, channel: grpc.Channel) -> dict:
     ctl = csi_pb2_grpc.ControllerStub(channel)
     node = csi_pb2_grpc.NodeStub(channel)
     t = args.timeout
     if args.action == "create":
-        rng = csi_pb2.CapacityRange(required_bytes=parse_quantity(args.size),
-                                    limit_bytes=parse_quantity(args.limit))
+        rng = csi_pb2.CapacityRange(required_bytes=args.size, limit_bytes=args.limit)
         resp = ctl.CreateVolume(csi_pb2.CreateVolumeRequest(
             name=args.name, capacity_range=rng, volume_capabilities=[_cap(args=args)],
-            parameters=_params(args.param)), timeout=t)
+            parameters=dict(args.param)), timeout=t)
         return _dict(resp.volume)
     if args.action == "list":
-        entries, token = [], ""
-        while True:
-            resp = ctl.ListVolumes(csi_pb2.ListVolumesRequest(starting_token=token), timeout=t)
-            entries += [_dict(e) for e in resp.entries]
-            token = resp.next_token
-            if not token:
-                return {"entries": entries}
+        return _list(ctl, t)
     if args.action == "delete":
         ctl.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=args.volume_id), timeout=t)
         return {"deleted": args.volume_id}
@@ -119,7 +160,7 @@ def _call(args: argparse.Namespace, channel: grpc.Channel) -> dict | None:
             volume_id=args.volume_id, target_path=os.path.abspath(args.target)), timeout=t)
         return {"unpublished": args.volume_id}
     if args.action == "capacity":
-        resp = ctl.GetCapacity(csi_pb2.GetCapacityRequest(parameters=_params(args.param),
+        resp = ctl.GetCapacity(csi_pb2.GetCapacityRequest(parameters=dict(args.param),
                                                           volume_capabilities=[_cap()]),
                                timeout=t)
         return _dict(resp)

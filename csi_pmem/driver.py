@@ -50,7 +50,14 @@ from csi_pmem.node.access import Access
 from csi_pmem.node.devdax import DevdaxNode
 from csi_pmem.node.fsdax import FsdaxNode
 from csi_pmem.params import DEVDAX, FSDAX, VolumeParams
-from csi_pmem.sizes import allocation_for, allocation_step, devdax_usable, format_bytes, round_down
+from csi_pmem.sizes import (
+    allocation_for,
+    allocation_step,
+    describe_size,
+    devdax_usable,
+    format_bytes,
+    round_down,
+)
 from csi_pmem.state import (
     CREATING,
     DELETING,
@@ -185,7 +192,8 @@ class Driver:
                 "is carved to size (set resources.requests.storage on the PVC)")
         if limit and required > limit:
             raise InvalidArgument(
-                f"capacity_range limit_bytes ({limit}) is below required_bytes ({required})")
+                f"capacity_range limit_bytes ({describe_size(limit)}) is below required_bytes "
+                f"({describe_size(required)})")
         return required or limit
 
     def _create(self, vid: str, name: str, request: int, required: int, limit: int,
@@ -214,7 +222,8 @@ class Driver:
                          device=ns.device, numa_node=ns.numa_node)
         if capacity < required:
             raise BackendError(
-                f"namespace {vid} offers {ns.usable_size} bytes, below the {required} requested")
+                f"namespace {vid} offers {describe_size(ns.usable_size)}, below the "
+                f"{describe_size(required)} requested")
         self.store.put(record)
         log.info("created volume %s (%s) in %s: %s usable (device %s, %s)", vid, name,
                  pool.name, format_bytes(capacity), ns.device, format_bytes(ns.usable_size))
@@ -240,7 +249,8 @@ class Driver:
             capacity = promised_size(usable, limit, params.align)
             if capacity < request:
                 raise OutOfRange(
-                    f"no volume of at least {request} bytes fits under limit_bytes {limit} "
+                    f"no volume of at least {describe_size(request)} fits under limit_bytes "
+                    f"{describe_size(limit)} "
                     f"with align {format_bytes(params.align)} (sizes come in "
                     f"{format_bytes(params.align)} steps); raise the limit")
             sized.append((p, size, capacity))
@@ -248,15 +258,16 @@ class Driver:
         if not fits_ever:
             biggest = max(p.size for p in usable_pools)
             raise OutOfRange(
-                f"a volume of {request} bytes needs {sized[0][1]} bytes of persistent memory "
+                f"a volume of {describe_size(request)} needs {describe_size(sized[0][1])} of "
+                f"persistent memory "
                 f"(metadata and {format_bytes(params.align)} alignment included), more than "
-                f"the largest region on this node ({biggest} bytes)")
+                f"the largest region on this node ({describe_size(biggest)})")
         fits_now = [s for s in fits_ever if s[1] <= s[0].largest_extent]
         if not fits_now:
-            free = ", ".join(f"{p.name} (NUMA {p.numa_node}): {p.largest_extent}"
+            free = ", ".join(f"{p.name} (NUMA {p.numa_node}): {describe_size(p.largest_extent)}"
                              for p, _, _ in fits_ever)
             raise ResourceExhausted(
-                f"not enough free persistent memory for {sized[0][1]} bytes; largest free "
+                f"not enough free persistent memory for {describe_size(sized[0][1])}; largest free "
                 f"extents: {free}")
         # Most free space first keeps NUMA nodes balanced for numaNode=auto.
         return max(fits_now, key=lambda s: (s[0].free, -s[0].numa_node))
@@ -265,9 +276,11 @@ class Driver:
                           params: VolumeParams) -> None:
         problems = params.compatible_with(rec.params, rec.numa_node)
         if rec.usable_size < required:
-            problems.append(f"size: existing {rec.usable_size} bytes, requested {required}")
+            problems.append(f"size: existing {describe_size(rec.usable_size)}, requested "
+                            f"{describe_size(required)}")
         if limit and rec.usable_size > limit:
-            problems.append(f"size: existing {rec.usable_size} bytes exceeds limit {limit}")
+            problems.append(f"size: existing {describe_size(rec.usable_size)} exceeds limit "
+                            f"{describe_size(limit)}")
         if problems:
             raise AlreadyExists(
                 f"volume {name!r} already exists with different properties ("
@@ -490,19 +503,11 @@ class Driver:
         self.backend.close()
 
 
-def describe(rec: VolumeRecord) -> dict:
-    """The volume_context handed to the CO (and back to NodePublishVolume)."""
-    return {"deviceMode": rec.params.get("deviceMode", "devdax"),
-            "numaNode": str(rec.numa_node), "align": format_bytes(rec.align),
-            "usableSize": str(rec.usable_size), "device": rec.device, "pool": rec.pool}
-
-
 __all__ = [
     "Capacity",
     "Driver",
     "DriverConfig",
     "VolumeCondition",
-    "describe",
     "is_volume_id",
     "volume_id_for",
 ]

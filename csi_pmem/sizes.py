@@ -98,6 +98,23 @@ def format_bytes(n: int) -> str:
     return str(n)
 
 
+def human_size(n: int) -> str:
+    """Bytes for people, in binary units with one decimal ("2.0 GiB", "250.0 MiB",
+    "512 bytes"): what tables and messages show, beside the exact count where it matters
+    (:func:`describe_size`)."""
+    for unit, scale in (("PiB", 1 << 50), ("TiB", TiB), ("GiB", GiB), ("MiB", MiB),
+                        ("KiB", KiB)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def describe_size(n: int) -> str:
+    """Bytes in a message a user acts on: readable and exact ("1.0 GiB (1073741824 bytes)")."""
+    readable = human_size(n)
+    return readable if abs(n) < KiB else f"{readable} ({n} bytes)"
+
+
 def round_up(n: int, align: int) -> int:
     """``n`` rounded up to a multiple of ``align`` (integers only: no float error)."""
     return -(-n // align) * align

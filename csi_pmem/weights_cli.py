@@ -1,3 +1,4 @@
+# PYTHON_ARGCOMPLETE_OK (argcomplete's global completion looks for this marker)
 """``csi-pmem-weights``: stage, verify, list, export and benchmark models on a volume, and
 run the staging sidecar (``sidecar``: see :mod:`csi_pmem.loader.sidecar`).
 
@@ -8,7 +9,10 @@ block device, a plain file (tmpfs, hugetlbfs, an emulated volume's backing file)
 other directory, such as an fsdax file system volume's mount: its volume is then the
 image file ``csi-pmem-weights.img`` in it, which ``stage`` creates and grows to fit.
 
-Exit codes: 0 success, 1 error, 2 usage, 3 checksum mismatches found by ``verify``.
+What it prints: results on stdout; progress (bytes, rate, ETA) on stderr when that is
+a terminal or with ``--progress`` (:mod:`csi_pmem.loader.progress`); exit codes and the
+conventions both command lines share are :mod:`csi_pmem.cmdline`'s. The help texts are
+written out here, not taken from docstrings, so ``--help`` shows no markup.
 """
 
 from __future__ import annotations
@@ -18,51 +22,41 @@ import json
 import logging
 import os
 import sys
-import time
 
-from csi_pmem.errors import InvalidArgument
+from csi_pmem.cmdline import (
+    COMPLETION_HELP,
+    LOG_LEVELS,
+    Exit,
+    HelpFormatter,
+    add_version,
+    enable_completion,
+    exit_codes_epilog,
+    log_level,
+    quiet_broken_pipe,
+)
+from csi_pmem.cmdline import quantity as parse_size
 from csi_pmem.loader import errors, sidecar, staging
 from csi_pmem.loader.layout import INDEX_AREA, read_index
+from csi_pmem.loader.progress import Progress, wanted
 from csi_pmem.loader.volume import DEFAULT_ALIGN, format_size, open_volume, volume_image
-from csi_pmem.sizes import MiB, parse_quantity, round_up
+from csi_pmem.sizes import MiB, round_up
 
-EXIT_ERROR, EXIT_MISMATCH = 1, 3
+EXIT_ERROR, EXIT_MISMATCH = Exit.ERROR, Exit.MISMATCH
+EXIT_CODES = (Exit.OK, Exit.ERROR, Exit.USAGE, Exit.MISMATCH, Exit.INTERRUPTED,
+              Exit.BROKEN_PIPE)
 SIZE_HELP = "a Kubernetes quantity: 16Gi is 16 GiB, 16G is 16*10^9 bytes"
+DESCRIPTION = """\
+Stage, verify, list, export and benchmark safetensors models on a persistent-memory \
+volume, and run the staging sidecar (csi-pmem-weights sidecar --help).
+
+VOLUME is a published volume directory (with dax.sock), a devdax device, an fsdax \
+block device, a plain file (tmpfs, hugetlbfs, an emulated volume's backing file), or \
+any other directory, such as an fsdax file system volume's mount: its volume is then \
+the image file csi-pmem-weights.img in it, which stage creates and grows to fit."""
 
 
-def parse_size(text: str) -> int:
-    """A byte count typed on the command line: a Kubernetes quantity, as in manifests and
-    in ``csi-pmem volume create --size`` (:func:`csi_pmem.sizes.parse_quantity`)."""
-    try:
-        return parse_quantity(text)
-    except InvalidArgument as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-class Progress:
-    """Throttled progress on stderr; carriage returns on a terminal, lines otherwise."""
-
-    def __init__(self, verb: str, quiet: bool = False, interval: float = 0.5):
-        self.verb, self.quiet, self.interval = verb, quiet, interval
-        self.started = time.monotonic()
-        self.last = 0.0
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, done: int, total: int, what: str) -> None:
-        now = time.monotonic()
-        if self.quiet or (now - self.last < self.interval and done < total):
-            return
-        self.last = now
-        rate = done / max(now - self.started, 1e-9) / 1e9
-        pct = 100 * done / total if total else 100
-        line = (f"{self.verb}: {done / (1 << 30):.2f}/{total / (1 << 30):.2f} GiB "
-                f"({pct:.0f}%) {rate:.2f} GB/s {what}")
-        print(("\r" + line + "\033[K") if self.tty else line, end="" if self.tty else "\n",
-              file=sys.stderr, flush=True)
-
-    def end(self) -> None:
-        if self.tty and not self.quiet and self.last:
-            print(file=sys.stderr)
+def progress(verb: str, args: argparse.Namespace) -> Progress:
+    return Progress(verb, wanted(args.progress))
 
 
 def _plain_file(path: str, size: int | None, align: int | None) -> None:
@@ -81,13 +75,12 @@ def _plain_file(path: str, size: int | None, align: int | None) -> None:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     _plain_file(args.volume, args.size, args.align)
-    progress = Progress("stage", args.quiet)
-    with staging.open_for_staging(args.volume, align=args.align, size=args.size) as vol:
+    with progress("stage", args) as bar, \
+            staging.open_for_staging(args.volume, align=args.align, size=args.size) as vol:
         result = staging.stage(vol, args.src, name=args.name, revision=args.revision,
-                               replace=args.replace, threads=args.threads, progress=progress)
+                               replace=args.replace, threads=args.threads, progress=bar)
         image = f" (image {vol.image}, {format_size(vol.size)})" if vol.image else ""
         durable = vol.persistence.detail
-    progress.end()
     m = result.model
     if result.already:
         print(f"{m.label()} is already staged on {args.volume} ({format_size(m.size)}); "
@@ -102,10 +95,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    progress = Progress("verify", args.quiet)
-    with open_volume(args.volume) as vol:
-        report = staging.verify(vol, args.model, threads=args.threads, progress=progress)
-    progress.end()
+    with progress("verify", args) as bar, open_volume(args.volume) as vol:
+        report = staging.verify(vol, args.model, threads=args.threads, progress=bar)
     bad = 0
     for label, problems in report.items():
         print(f"{label}: {'OK' if not problems else f'{len(problems)} bad chunk(s)'}")
@@ -145,11 +136,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    progress = Progress("export", args.quiet)
-    with open_volume(args.volume) as vol:
+    with progress("export", args) as bar, open_volume(args.volume) as vol:
         written = staging.export(vol, args.dest, args.model, overwrite=args.overwrite,
-                                 threads=args.threads, progress=progress)
-    progress.end()
+                                 threads=args.threads, progress=bar)
     print(f"exported {len(written)} files to {args.dest} (checksums verified)")
     return 0
 
@@ -177,13 +166,25 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="csi-pmem-weights", description=__doc__.split("\n\n")[0])
-    p.add_argument("--log-level", default="WARNING")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(
+        prog="csi-pmem-weights", description=DESCRIPTION, formatter_class=HelpFormatter,
+        epilog=exit_codes_epilog(EXIT_CODES, COMPLETION_HELP.format(prog="csi-pmem-weights")))
+    add_version(p)
+    p.add_argument("--log-level", default="WARNING", type=log_level,
+                   metavar="{" + ",".join(lv.lower() for lv in LOG_LEVELS) + "}",
+                   help="log messages from this level up on stderr (default: warning)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def common(sp: argparse.ArgumentParser, model: bool = True) -> None:
+    def common(sp: argparse.ArgumentParser, model: bool = True, bar: bool = True) -> None:
         sp.add_argument("--threads", type=int, default=None, help="worker threads")
-        sp.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+        if not bar:
+            sp.set_defaults(progress=False)
+        else:
+            sp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                            help="bytes, rate and ETA on stderr (default: when stderr is "
+                                 "a terminal)")
+            sp.add_argument("--quiet", "-q", dest="progress", action="store_false",
+                            help="the same as --no-progress")
         if model:
             sp.add_argument("--model", help="model name (default: the only one)")
 
@@ -226,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"bounce buffer size (default 16Mi; {SIZE_HELP})")
     b.add_argument("--repeat", type=int, default=3)
     b.add_argument("--json", action="store_true")
-    common(b)
+    common(b, bar=False)
     b.set_defaults(func=cmd_bench)
 
     sc = sub.add_parser("sidecar", help="keep a model staged and verified; serve /readyz "
@@ -237,9 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    parser = build_parser()
+    enable_completion(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    with quiet_broken_pipe():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except errors.LoaderError as exc:
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("csi-pmem-weights: interrupted; run the same command again to resume",
               file=sys.stderr)
-        return 130
+        return Exit.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -47,13 +47,37 @@ def test_walkthrough(driver):
 
 
 def test_errors_are_one_line_with_the_code(driver):
-    for args, needle in [(("create", "big", "--size", "10Gi"), "OUT_OF_RANGE"),
-                         (("create", "x", "--size", "1Gi", "-p", "align=4Ki"), "2Mi or 1Gi"),
-                         (("create", "x", "--size", "lots"), "invalid size"),
-                         (("inspect", "/nonexistent"), "does not exist")]:
+    """The driver's refusals (4), usage errors (2, argparse) and local errors (1) exit
+    differently (csi_pmem.cmdline.Exit), each with a message and no traceback."""
+    for args, code, needle in [
+            (("create", "big", "--size", "10Gi"), 4, "OUT_OF_RANGE: a volume of 10.0 GiB"),
+            (("create", "x", "--size", "1Gi", "-p", "align=4Ki"), 4, "2Mi or 1Gi"),
+            (("create", "x", "--size", "lots"), 2, "argument --size: invalid size 'lots'"),
+            (("inspect", "/nonexistent"), 1, "does not exist")]:
         res = cli(driver, *args)
-        assert res.returncode == 2 and needle in res.stderr, res.stderr
+        assert res.returncode == code and needle in res.stderr, res.stderr
         assert "Traceback" not in res.stderr
+
+
+def test_the_walkthrough_by_name_and_table(driver):
+    """What the README does: ids from -o name, tables for people (forced here: the test's
+    stdout is no terminal, where JSON is the default)."""
+    res = cli(driver, "create", "llama", "--size", "100Mi", "-p", "numaNode=1", "-o", "name")
+    vid = res.stdout.strip()
+    assert res.returncode == 0 and vid.startswith("pmem-"), res.stderr
+    target = driver.target("demo")
+    assert cli(driver, "publish", vid, target).returncode == 0
+    size = int(ok(driver, "list")["entries"][0]["volume"]["capacity_bytes"])
+    assert 100 << 20 <= size < 1 << 30
+    seen = cli(driver, "inspect", target, "-o", "table").stdout
+    assert f"volume:          {vid}" in seen, seen
+    assert f"mapped:          {size / (1 << 20):.1f} MiB" in seen, seen
+    table = cli(driver, "list", "-o", "table").stdout.splitlines()
+    assert table[0].startswith("VOLUME ID")
+    assert table[1].split()[:3] == [vid, f"{size / (1 << 20):.1f}", "MiB"], table
+    assert "test-node" in table[1]  # PUBLISHED ON
+    assert cli(driver, "unpublish", vid, target).returncode == 0
+    assert cli(driver, "delete", vid, "-o", "name").stdout.strip() == vid
 
 
 def test_fsdax_walkthrough(driver):

@@ -42,6 +42,7 @@ for _m in [m for m in sys.modules if _blocked(m)]:
 # outside csi_pmem.loader.
 LOADER_MAY_IMPORT = {"csi_pmem", "csi_pmem.errors", "csi_pmem.sizes", "csi_pmem.mountinfo",
                      "csi_pmem.logs", "csi_pmem.failpoints", "csi_pmem.daxclient",
+                     "csi_pmem.cmdline",
                      "csi_pmem.gpucopy", "csi_pmem.gpucopy.protocol", "csi_pmem.gpucopy.cuda",
                      "csi_pmem.gpucopy.copier", "csi_pmem.weights_cli"}
 # What the loader's GPU paths need and CI may lack; nothing else may be missing.
@@ -133,7 +134,8 @@ def test_the_driver_dependencies_are_an_extra_with_capped_majors():
     assert project["dependencies"] == [], "the loader-only install must bring no driver deps"
     extras = project["optional-dependencies"]
     driver = {r.split(">")[0].split("<")[0].split("=")[0]: r for r in extras["driver"]}
-    assert set(driver) == {"grpcio", "protobuf", "prometheus-client", "pyudev"}, driver
+    assert set(driver) == {"grpcio", "protobuf", "prometheus-client", "pyudev",
+                           "pyyaml", "argcomplete"}, driver  # the last two: `volume -o`, TAB
     assert "<2" in driver["grpcio"] and "<8" in driver["protobuf"], driver
     for name in ("loader", "gpu", "gpu-copy"):
         assert not {"grpcio", "protobuf"} & {r.split(">")[0] for r in extras[name]}, name

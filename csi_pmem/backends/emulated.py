@@ -40,7 +40,7 @@ from csi_pmem.errors import (
     ResourceExhausted,
 )
 from csi_pmem.mounter import HostMounter, LoopDevices
-from csi_pmem.sizes import REGION_ALIGN, devdax_usable, parse_quantity, round_down
+from csi_pmem.sizes import REGION_ALIGN, describe_size, devdax_usable, parse_quantity, round_down
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,8 @@ class EmulatedBackend(Backend):
         free = next(p.free for p in self.pools() if p.name == pool)
         if size > free:
             raise ResourceExhausted(
-                f"{pool} (NUMA node {node}) has {free} bytes free, {size} needed")
+                f"{pool} (NUMA node {node}) has {describe_size(free)} free, "
+                f"{describe_size(size)} needed")
         path = self._dir(pool) / f"{name}~{align}{SUFFIX_FOR[mode]}"
         # Allocated under a temporary name and linked into place when complete, so a
         # concurrent listing never sees (or loop-attaches) a half-allocated file.
@@ -188,7 +189,7 @@ class EmulatedBackend(Backend):
             raise AlreadyExists(f"a namespace named {name} already exists") from exc
         except OSError as exc:
             raise ResourceExhausted(
-                f"the file system under {self.root} has no room for {size} bytes "
+                f"the file system under {self.root} has no room for {describe_size(size)} "
                 f"({exc.strerror}); emulated regions promise more than it holds") from exc
         finally:
             os.close(fd)

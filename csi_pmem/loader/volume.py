@@ -47,7 +47,7 @@ from csi_pmem.loader.errors import (
     VolumeTooSmallError,
 )
 from csi_pmem.mountinfo import MountInfo, mountinfo
-from csi_pmem.sizes import MiB, round_up
+from csi_pmem.sizes import MiB, describe_size, round_up
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,7 @@ IMAGE_NAME = "csi-pmem-weights.img"
 
 def format_size(n: int) -> str:
     """Human-readable bytes for messages ("16.0 GiB (17179869184 bytes)")."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit} ({n} bytes)"
-    return f"{n} bytes"
+    return describe_size(n)
 
 
 class _PyBuffer(ctypes.Structure):

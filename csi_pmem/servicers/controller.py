@@ -9,13 +9,23 @@ from __future__ import annotations
 
 from csi_pmem import params as sc_params
 from csi_pmem.csi import csi_pb2, csi_pb2_grpc
-from csi_pmem.driver import Driver, describe, is_volume_id
+from csi_pmem.driver import Driver, is_volume_id
 from csi_pmem.errors import Aborted, InvalidArgument, ResourceExhausted
 from csi_pmem.servicers.capabilities import problem, require_valid
 from csi_pmem.servicers.rpc import require, rpc
+from csi_pmem.sizes import format_bytes
+from csi_pmem.state import VolumeRecord
 
 CCap = csi_pb2.ControllerServiceCapability.RPC
 MAX_PAGE = 1000
+
+
+def describe(rec: VolumeRecord) -> dict[str, str]:
+    """The volume_context handed to the CO (and back to NodePublishVolume): the wire
+    shape of a volume record, so it lives with the servicers."""
+    return {"deviceMode": rec.params.get("deviceMode", "devdax"),
+            "numaNode": str(rec.numa_node), "align": format_bytes(rec.align),
+            "usableSize": str(rec.usable_size), "device": rec.device, "pool": rec.pool}
 
 
 class ControllerServicer(csi_pb2_grpc.ControllerServicer):

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import grpc
+import pytest
 
 from csi_pmem.backends.emulated import EmulatedBackend
 from csi_pmem.csi import csi_pb2
@@ -174,3 +175,18 @@ class InProcessNode:
     def record(self, volume_id: str):
         assert self.driver is not None
         return self.driver.store.get(volume_id)
+
+
+def code_of(call, *args, **kw) -> grpc.StatusCode:
+    """The status code ``call`` fails with (it must fail)."""
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kw)
+    return info.value.code()
+
+
+@pytest.fixture(name="node")
+def node_fixture():
+    """A fresh in-process node (driver, servicers, fake mounter), closed afterwards."""
+    n = InProcessNode()
+    yield n
+    n.close()

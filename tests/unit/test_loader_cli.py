@@ -3,7 +3,9 @@ CPU-only smoke runs (what CI can run without a GPU)."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from csi_pmem import weights_cli
-from csi_pmem.loader import layout, load_numpy, open_volume
+from csi_pmem.loader import layout, load_numpy, open_volume, progress
 from csi_pmem.loader.stformat import read_header_file
 
 import loader_models as lm
@@ -29,7 +31,7 @@ def test_stage_ls_verify_export(tmp_path, capsys):
     assert cli("stage", tmp_path / "src", vol, "--size", "64Mi", "--name", "llm",
                "--revision", "r1") == 0
     out, err = capsys.readouterr()
-    assert "staged llm@r1: 6 files" in out and "stage:" in err  # progress on stderr
+    assert "staged llm@r1: 6 files" in out and err == ""  # stderr is no terminal here
     assert cli("stage", tmp_path / "src", vol, "--name", "llm", "--revision", "r1") == 0
     assert "already staged" in capsys.readouterr().out
 
@@ -47,6 +49,67 @@ def test_stage_ls_verify_export(tmp_path, capsys):
     assert lm.tree_digest(tmp_path / "out") == lm.tree_digest(tmp_path / "src")
     assert cli("export", vol, tmp_path / "out", "-q") == 1
     assert "exists; pass --overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bar", ["tqdm", "plain"])
+def test_progress_shows_rate_and_eta_when_asked(tmp_path, capsys, monkeypatch, bar):
+    """--progress draws on stderr also when it is no terminal; tqdm's bar when it is
+    installed, else a plain line with the same numbers; stdout keeps only the result."""
+    if bar == "plain":  # tqdm is in the test extra; this is an install without it
+        monkeypatch.setattr(progress, "_tqdm", lambda: None)
+    lm.sharded_model(tmp_path / "src")
+    vol = tmp_path / "vol.img"
+    assert cli("stage", tmp_path / "src", vol, "--size", "64Mi", "--progress") == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("staged src:") and "%" not in out and "ETA" not in out
+    if bar == "tqdm":
+        assert "stage: 100%|" in err and "B/s" in err, err
+    else:
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("stage: ") and "(100%)" in last and "/s, ETA 0:00" in last
+    for verb, argv in (("verify", ["verify", vol]),
+                       ("export", ["export", vol, tmp_path / "out"])):
+        assert cli(*argv, "--progress") == 0
+        err = capsys.readouterr().err
+        assert err.lstrip("\r").startswith(f"{verb}:"), err
+        assert cli(*argv, "--no-progress", *(["--overwrite"] if verb == "export" else [])) == 0
+        assert capsys.readouterr().err == ""
+
+
+def test_plain_progress_counts_only_this_runs_bytes():
+    """A resumed stage first reports the bytes it reuses: not throughput, so the rate
+    and ETA start from there."""
+    out = io.StringIO()
+    bar = progress.Progress("stage", True, stream=out, use_tqdm=False, interval=0)
+    bar(600 * lm.MiB, 1000 * lm.MiB, "reused 3 verified files")
+    bar.started -= 2.0  # two seconds later ...
+    bar(800 * lm.MiB, 1000 * lm.MiB, "model.safetensors")  # ... 200 MiB more
+    line = out.getvalue().splitlines()[-1]
+    rate = float(line.split(", ")[1].split()[0])
+    assert 99 < rate < 101 and "MiB/s" in line, line  # 200 MiB in 2 s, not 800
+    assert "ETA 0:02" in line and "(80%)" in line, line
+    assert progress.eta(0, 10, 1.0) == "?" and progress.eta(10, 10, 1.0) == "0:00"
+    assert progress.eta(1, 3601, 1.0) == "1:00:00"
+    assert not progress.wanted(None, io.StringIO()) and progress.wanted(True, io.StringIO())
+
+
+def test_log_level_is_checked_and_a_closed_pipe_is_quiet(tmp_path, capsys):
+    with pytest.raises(SystemExit) as usage:
+        cli("--log-level", "foo", "ls", tmp_path / "x")
+    assert usage.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --log-level: invalid level 'foo': use one of debug, info" in err
+    assert cli("--log-level", "debug", "ls", tmp_path / "missing") == 1
+    lm.sharded_model(tmp_path / "src")
+    vol = lm.staged_volume(tmp_path / "src", tmp_path / "vol")
+    r, w = os.pipe()
+    os.close(r)  # `| head` has gone before anything is written
+    for argv in (["ls", "--json", vol], ["ls", vol]):
+        proc = subprocess.run([sys.executable, "-m", "csi_pmem.weights_cli", *map(str, argv)],
+                              stdout=w, stderr=subprocess.PIPE, text=True, timeout=60,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert (proc.returncode, proc.stderr) == (141, ""), argv
+    os.close(w)
 
 
 def test_verify_reports_damage_with_its_own_exit_code(tmp_path, capsys):

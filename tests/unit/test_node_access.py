@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from conftest import Mode, block_cap, mount_cap
-from inprocess import InProcessNode
+from inprocess import InProcessNode, code_of, node_fixture  # noqa: F401 (the fixture)
 
 
 @dataclass(frozen=True)
@@ -30,22 +30,9 @@ KINDS = [Kind("devdax", {}, False), Kind("fsdax-block", {"deviceMode": "fsdax"},
          Kind("fsdax-fs", {"deviceMode": "fsdax"}, False)]
 
 
-@pytest.fixture
-def node():
-    n = InProcessNode()
-    yield n
-    n.close()
-
-
 @pytest.fixture(params=KINDS, ids=lambda k: k.name)
 def kind(request) -> Kind:
     return request.param
-
-
-def code_of(call, *args, **kw) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
-        call(*args, **kw)
-    return info.value.code()
 
 
 class Volume:

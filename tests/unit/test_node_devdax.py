@@ -20,22 +20,9 @@ from csi_pmem.node import busy
 from csi_pmem.state import PUBLISHED, PUBLISHING, UNPUBLISHING
 
 from conftest import MiB, Mode, block_cap, mount_cap
-from inprocess import InProcessNode
+from inprocess import InProcessNode, code_of, node_fixture  # noqa: F401 (the fixture)
 
 POD = "0b5e7c5e-1111-4a4a-9c9c-000000000001"
-
-
-@pytest.fixture
-def node():
-    n = InProcessNode()
-    yield n
-    n.close()
-
-
-def code_of(call, *args, **kw) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
-        call(*args, **kw)
-    return info.value.code()
 
 
 def test_publish_mounts_a_sealed_tmpfs_that_hands_out_the_device(node):

@@ -15,22 +15,9 @@ import pytest
 from csi_pmem.state import BLOCK, MOUNT, PUBLISHED, STAGED, STAGING
 
 from conftest import Mode, block_cap, mount_cap
-from inprocess import InProcessNode
+from inprocess import InProcessNode, code_of, node_fixture  # noqa: F401 (the fixture)
 
 FSDAX = {"deviceMode": "fsdax"}
-
-
-@pytest.fixture
-def node():
-    n = InProcessNode()
-    yield n
-    n.close()
-
-
-def code_of(call, *args, **kw) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
-        call(*args, **kw)
-    return info.value.code()
 
 
 def details_of(call, *args, **kw) -> tuple[grpc.StatusCode, str]:

@@ -1,0 +1,241 @@
+"""``csi-pmem volume`` as a person and a script use it, without root: the real client and
+command line over a real gRPC socket, served by the driver in this process (emulated
+back end, fake mounter). Output formats, exit codes, completion, help and pipes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shlex
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from csi_pmem import cli, cmdline, volume_output, weights_cli
+from csi_pmem.cmdline import Exit
+from csi_pmem.csi import csi_pb2_grpc
+from csi_pmem.servicers.controller import ControllerServicer
+from csi_pmem.servicers.identity import IdentityServicer
+from csi_pmem.servicers.node import NodeServicer
+
+from inprocess import DRIVER_NAME, InProcessNode
+
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+
+
+@pytest.fixture
+def served():
+    """An in-process node whose servicers answer on a unix socket, as `make run`'s do."""
+    node = InProcessNode()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    csi_pb2_grpc.add_IdentityServicer_to_server(
+        IdentityServicer(DRIVER_NAME, node.backend.probe), server)
+    csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(node.driver), server)
+    csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(node.driver), server)
+    sock = node.base / "csi.sock"
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    node.endpoint = f"unix://{sock}"
+    yield node
+    server.stop(None)
+    node.close()
+
+
+def volume(node, capsys, *args: str, tty: bool = False,
+           monkeypatch=None) -> tuple[int, str, str]:
+    if monkeypatch is not None:
+        monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
+    code = cli.main(["volume", "--endpoint", node.endpoint, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_name_output_lets_a_script_keep_the_id(served, capsys):
+    code, out, err = volume(served, capsys, "create", "llama", "--size", "100Mi",
+                            "-p", "numaNode=1", "-o", "name")
+    assert code == Exit.OK, err
+    vid = out.strip()
+    assert vid.startswith("pmem-") and "\n" not in vid
+    assert volume(served, capsys, "list", "-o", "name")[1].split() == [vid]
+    target = served.target("demo")
+    code, out, _ = volume(served, capsys, "publish", vid, target, "-o", "name")
+    assert (code, out.strip()) == (Exit.OK, vid)
+    code, out, _ = volume(served, capsys, "unpublish", vid, target, "-o", "table")
+    assert code == Exit.OK and out.strip() == f"volume {vid} unpublished"
+    code, out, _ = volume(served, capsys, "delete", vid, "-o", "table")
+    assert code == Exit.OK and out.strip() == f"volume {vid} deleted"
+
+
+def test_json_for_scripts_and_a_table_on_a_terminal(served, capsys, monkeypatch):
+    code, out, err = volume(served, capsys, "create", "llama", "--size", "256Mi",
+                            monkeypatch=monkeypatch, tty=False)
+    assert code == Exit.OK, err
+    doc = json.loads(out)  # not a terminal: the JSON scripts already read, sizes as strings
+    assert code == Exit.OK and doc["capacity_bytes"] == str(int(doc["capacity_bytes"]))
+    vid = doc["volume_id"]
+    code, out, _ = volume(served, capsys, "list", monkeypatch=monkeypatch, tty=True)
+    header, row = out.splitlines()
+    assert header.split() == ["VOLUME", "ID", "SIZE", "MODE", "NUMA", "ALIGN", "POOL",
+                              "PUBLISHED", "ON", "CONDITION"]
+    size = int(doc["capacity_bytes"]) / (1 << 20)
+    assert row.split()[:4] == [vid, f"{size:.1f}", "MiB", "devdax"]
+    assert row.split()[-1] == "ok"
+    code, out, _ = volume(served, capsys, "capacity", monkeypatch=monkeypatch, tty=True)
+    header, row = out.splitlines()
+    assert header.split() == ["AVAILABLE", "LARGEST", "VOLUME"]
+    assert [w for w in row.split() if not w[0].isdigit()] == ["MiB", "MiB"], row
+    code, out, _ = volume(served, capsys, "info", "-o", "table")
+    assert "ready:" in out and "yes" in out and f"{DRIVER_NAME}" in out
+    # yaml is the same document as json
+    j = json.loads(volume(served, capsys, "list", "-o", "json")[1])
+    assert yaml.safe_load(volume(served, capsys, "list", "-o", "yaml")[1]) == j
+
+
+def test_a_refusal_an_absent_driver_and_a_usage_error_exit_differently(served, capsys):
+    code, _, err = volume(served, capsys, "create", "big", "--size", "10Gi")
+    assert code == Exit.REFUSED == 4
+    assert err.startswith("csi-pmem: OUT_OF_RANGE: a volume of 10.0 GiB (10737418240 bytes)")
+    assert err.rstrip().endswith("this node (512.0 MiB (536870912 bytes))"), err
+    code, _, err = volume(served, capsys, "create", "x", "--size", "1Gi", "-p", "numaNod=0")
+    assert code == Exit.REFUSED and "INVALID_ARGUMENT" in err
+    code = cli.main(["volume", "--endpoint", f"unix://{served.base}/nothing.sock", "list"])
+    err = capsys.readouterr().err
+    assert code == Exit.UNREACHABLE == 5 and "is the driver running" in err, err
+    for bad in (["create", "x", "--size", "lots"], ["create", "x", "--size", "1Gi", "-p", "k"],
+                ["list", "-o", "wide"], ["lisst"]):
+        with pytest.raises(SystemExit) as usage:
+            volume(served, capsys, *bad)
+        assert usage.value.code == Exit.USAGE == 2, bad
+        assert "usage: csi-pmem volume" in capsys.readouterr().err
+    # -o name of an action without ids is refused before anything is sent
+    code, _, err = volume(served, capsys, "capacity", "-o", "name")
+    assert code == Exit.USAGE and "-o name prints volume ids" in err
+    code, _, err = volume(served, capsys, "inspect", str(served.base / "nowhere"))
+    assert code == Exit.ERROR and "does not exist" in err and "Traceback" not in err
+
+
+def test_exit_codes_are_listed_in_help_from_the_one_table(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["volume", "--help"])
+    out = capsys.readouterr().out
+    for code in cli.EXIT_CODES:
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(f"{int(code)} "))
+        assert cmdline.MEANING[code].split()[0] in line, line
+    assert "-o json otherwise" in out
+
+
+def _parsers(parser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def _actions(parser) -> dict:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+@pytest.mark.parametrize("build", [cli.build_parser, weights_cli.build_parser])
+def test_help_renders_without_markup(build):
+    """Docstring markup (``x``, :mod:`y`) in --help reads as noise; every page is clean."""
+    pages = [p.format_help() for p in _parsers(build())]
+    assert len(pages) > 5
+    for page in pages:
+        for markup in ("``", ":mod:", ":func:", ":class:", ":data:"):
+            assert markup not in page, page
+
+
+@pytest.mark.parametrize("main, prog", [(cli.main, "csi-pmem"),
+                                        (weights_cli.main, "csi-pmem-weights")])
+def test_version_is_the_package_version(main, prog, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == \
+        f"{prog} {importlib.metadata.version('csi-pmem')}"
+
+
+def _complete(line: str, tmp_path: Path, prog: str = "csi-pmem") -> list[str]:
+    out = tmp_path / "completions"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), _ARGCOMPLETE="1", COMP_LINE=line,
+               COMP_POINT=str(len(line)), _ARGCOMPLETE_STDOUT_FILENAME=str(out),
+               _ARGCOMPLETE_IFS="\n")
+    module = "csi_pmem" if prog == "csi-pmem" else "csi_pmem.weights_cli"
+    proc = subprocess.run([sys.executable, "-m", module], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return out.read_text().split("\n")
+
+
+def test_completion_offers_actions_flags_and_the_drivers_volume_ids(served, capsys,
+                                                                    tmp_path):
+    assert _complete("csi-pmem volume cr", tmp_path) == ["create "]
+    assert "--output " in _complete("csi-pmem volume list --out", tmp_path)
+    assert _complete("csi-pmem-weights st", tmp_path, "csi-pmem-weights") == ["stage "]
+    code, out, _ = volume(served, capsys, "create", "c", "--size", "64Mi", "-o", "name")
+    vid = out.strip()
+    assert code == Exit.OK
+    got = _complete(f"csi-pmem volume --endpoint {served.endpoint} delete pm", tmp_path)
+    assert got == [vid + " "]
+
+
+def test_a_closed_pipe_ends_quietly(served, capsys):
+    for i in range(3):
+        volume(served, capsys, "create", f"v{i}", "--size", "64Mi")
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before anything is written: like `| head` done
+    proc = subprocess.run([sys.executable, "-m", "csi_pmem", "volume", "--endpoint",
+                           served.endpoint, "list"], stdout=w, stderr=subprocess.PIPE,
+                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    os.close(w)
+    assert (proc.returncode, proc.stderr) == (Exit.BROKEN_PIPE, "")
+
+
+def test_renderers_cover_every_action():
+    actions = set(_actions(_actions(cli.build_parser())["volume"]))
+    assert actions == set(volume_output._TABLES)
+    assert set(volume_output._NAMES) < actions
+
+
+def test_tables_of_a_document(tmp_path):
+    stats = {"usage": [{"unit": "BYTES", "total": "1073741824", "used": "536870912"},
+                       {"unit": "INODES", "total": "65536", "used": "11", "available": "65525"}],
+             "volume_condition": {"abnormal": True, "message": "device is gone"}}
+    out = volume_output.render("stats", stats, "table").splitlines()
+    assert out[0].split() == ["UNIT", "TOTAL", "USED", "AVAILABLE"]
+    assert out[1].split() == ["BYTES", "1.0", "GiB", "512.0", "MiB", "0", "bytes"]
+    assert out[2].split() == ["INODES", "65536", "11", "65525"]
+    assert out[-1] == "condition: abnormal: device is gone"
+    assert volume_output.render("list", {"entries": []}, "table") == "No volumes."
+    assert volume_output.render("list", {}, "name") == ""
+
+
+def test_the_readme_walkthrough_parses_and_needs_no_python():
+    """The walkthrough is copied and pasted: every csi-pmem command in it must parse
+    (flags renamed or removed would fail here) and ids come from -o name, not Python."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## A five-minute walkthrough", 1)[1].split("```sh\n", 1)[1]
+    block = block.split("```", 1)[0]
+    assert "python" not in block
+    commands = []
+    for line in block.splitlines():
+        line = line.split("  #", 1)[0].strip()
+        if "$(" in line:
+            line = line.split("$(", 1)[1].rsplit(")", 1)[0]
+        if line.startswith("csi-pmem "):
+            commands.append(shlex.split(line.replace("$ID", "pmem-1").replace("$FS", "pmem-2")))
+    assert len(commands) >= 15
+    parser = cli.build_parser()
+    for argv in commands:
+        args = parser.parse_args(argv[1:])
+        assert args.command == "volume", argv
+    assert sum(a[-2:] == ["-o", "name"] for a in commands) == 2
