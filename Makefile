@@ -10,9 +10,11 @@ export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
 setup:
 	@bash scripts/setup.sh
 
-# Conformance and test tools built from the Go module proxy, cached outside the repo.
+# Conformance and test tools built from the Go module proxy, cached outside the repo:
+# csi-sanity, and promtool for the alert rules' unit tests (tests/test_alerts.py).
 tools:
 	@bash scripts/install-csi-sanity.sh >/dev/null
+	@bash scripts/install-promtool.sh >/dev/null
 
 # The driver on its embedded default: emulated back end, two 2 GiB NUMA pools,
 # state, pools and kubelet directory under $(RUN_DIR). Publishing mounts tmpfs: run as root.
@@ -29,7 +31,7 @@ test: check e2e-vm e2e-cluster
 # The host tiers only (about 5 minutes, as root): the unit tier, then the integration tier
 # (real gRPC, mounts, loop devices, cgroups, csi-sanity).
 check: setup tools proto-check lint deploy-check
-	CSI_SANITY_REQUIRED=1 $(PY) -m pytest -q -ra --durations=15 tests
+	CSI_SANITY_REQUIRED=1 PROMTOOL_REQUIRED=1 $(PY) -m pytest -q -ra --durations=15 tests
 
 # Before every commit (.pre-commit-config.yaml runs the same), as an ordinary user, in
 # under a minute: lint and the unit tier.

@@ -39,7 +39,7 @@ from csi_pmem import failpoints
 from csi_pmem.backends.base import Backend, Namespace, Pool
 from csi_pmem.cleanspace import CleanSpace
 from csi_pmem.daxsock import DaxSocketServer
-from csi_pmem.erase import SAMPLED, zero_fd
+from csi_pmem.erase import SAMPLED, EraseCancelled, zero_fd
 from csi_pmem.eraser import DELETE, EraseQueue
 from csi_pmem.errors import (
     Aborted,
@@ -141,7 +141,8 @@ class Driver:
 
     def __init__(self, config: DriverConfig, backend: Backend, store: StateStore,
                  dax: DaxSocketServer, on_erase: Callable[[int, float], None] | None = None,
-                 gpu_copy: ServiceLink | None = None, mounter: Mounter | None = None):
+                 gpu_copy: ServiceLink | None = None, mounter: Mounter | None = None,
+                 on_erase_error: Callable[[], None] | None = None):
         self.config = config
         self.backend = backend
         self.store = store
@@ -152,6 +153,9 @@ class Driver:
         self.inflight = InFlight()
         self.node_lock = threading.Lock()
         self.on_erase = on_erase or (lambda nbytes, seconds: None)
+        # Called when zeroing a namespace fails (the delete then fails and is retried):
+        # metrics count it, since data that outlives its volume is what erase prevents.
+        self.on_erase_error = on_erase_error or (lambda: None)
         self.orphans: list[str] = []
         self._kubelet_real = os.path.realpath(config.kubelet_dir)
         # One publisher per device mode, behind one interface (csi_pmem.node); what
@@ -425,13 +429,19 @@ class Driver:
     def _erase(self, ns: Namespace, cancel: threading.Event | None = None) -> None:
         from csi_pmem.loader.numa import node_cpus  # the loader's, imported when needed
 
-        fd = self.backend.open_device(ns, readonly=False, exclusive=True)
         try:
-            result = zero_fd(fd, ns.usable_size, threads=self.config.erase_threads,
-                             verify=self.config.erase_verify, cpus=node_cpus(ns.numa_node),
-                             cancel=cancel)
-        finally:
-            os.close(fd)
+            fd = self.backend.open_device(ns, readonly=False, exclusive=True)
+            try:
+                result = zero_fd(fd, ns.usable_size, threads=self.config.erase_threads,
+                                 verify=self.config.erase_verify,
+                                 cpus=node_cpus(ns.numa_node), cancel=cancel)
+            finally:
+                os.close(fd)
+        except EraseCancelled:
+            raise  # a scrub or erase given up on purpose, not a failure
+        except Exception:
+            self.on_erase_error()
+            raise
         self.on_erase(result.bytes, result.seconds)
         log.info("erased %s: %s in %.3f s (%.2f GB/s, %d threads, %s, verify %s%s)",
                  ns.name, format_bytes(result.bytes), result.seconds,

@@ -7,26 +7,94 @@ DeleteVolume to freed space (histogram), and whether each region is clean.
 Why a collector for pools: capacity must be read at scrape time from the back end
 (the device is the truth), not cached in gauges that drift. Each driver instance owns
 its registry so several drivers can live in one test process.
+
+Why the operation histogram copies csi-lib-utils (package metrics, which every CSI
+sidecar uses): name ``csi_plugin_operations_seconds`` (its plugin subsystem), labels
+``driver_name``, ``method_name`` as the full gRPC path, ``grpc_status_code`` as Go
+spells it, and its buckets, so one dashboard or alert covers the sidecars'
+``csi_sidecar_operations_seconds`` and ours. docs/metrics.md has the table.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+import logging
+import platform
+import threading
+import time
+from collections.abc import Callable
 
-from csi_pmem.backends.base import Backend
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from csi_pmem import __version__
+from csi_pmem.backends.base import Backend, Pool
 from csi_pmem.cleanspace import CleanSpace
 from csi_pmem.eraser import EraseQueue, Job
 
-BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+log = logging.getLogger(__name__)
+
+# csi-lib-utils' operationsLatencyBuckets (metrics/metrics.go), to the second.
+BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 25, 50, 120, 300, 600)
+# csi-lib-utils' operationsLatencyHelp; component-base prefixes the stability level.
+OPERATIONS_HELP = ("[ALPHA] Container Storage Interface operation duration with gRPC error "
+                   "code status total")
+# ``csi_pmem_pool_usable{reason}`` of a usable pool, and of every last-known pool while
+# the back end cannot list them (backends.base.REASONS has the others).
+REASON_OK = "ok"
+REASON_LISTING_FAILED = "listing_failed"
 
 
 class PoolCollector:
-    def __init__(self, backend: Backend, orphans) -> None:
+    """Pool series read from the back end at scrape time.
+
+    Why last-known pools: when the listing fails (ndctl missing, hung or answering
+    garbage) the pool series must not vanish, or "no usable pool" and "pool nearly
+    full" alerts would resolve exactly when the node is in trouble. So the pools of the
+    last good listing are exported again, usable 0 with ``reason="listing_failed"``,
+    next to ``csi_pmem_backend_up 0`` and a failure counter; the error goes to the log.
+    """
+
+    def __init__(self, backend: Backend, orphans: Callable[[], list]) -> None:
         self.backend = backend
         self.orphans = orphans
+        self._lock = threading.Lock()
+        self._last_pools: list[Pool] = []
+        self._last_volumes: dict[str, int] = {}
+        self._list_errors = 0
+        self._last_success: float | None = None
+        self._last_error: str | None = None
+
+    def _list(self) -> tuple[list[Pool], dict[str, int], bool]:
+        """(pools, volumes per pool, up): the listing, or the last good one and False."""
+        try:
+            pools = self.backend.pools()
+            namespaces = self.backend.namespaces()
+        except Exception as exc:  # a scrape must not fail because ndctl did
+            with self._lock:
+                self._list_errors += 1
+                message = f"{type(exc).__name__}: {exc}"
+                if message != self._last_error:  # once per distinct failure, not per scrape
+                    log.error("metrics: cannot list pools (exporting the last known ones "
+                              "as unusable): %s", message)
+                self._last_error = message
+                return self._last_pools, self._last_volumes, False
+        volumes = {p.name: sum(1 for n in namespaces if n.pool == p.name) for p in pools}
+        with self._lock:
+            if self._last_error is not None:
+                log.info("metrics: pools listed again after %s", self._last_error)
+            self._last_pools, self._last_volumes = pools, volumes
+            self._last_success, self._last_error = time.time(), None
+        return pools, volumes, True
 
     def collect(self):
+        pools, volumes, up = self._list()
         labels = ["pool", "numa_node"]
         cap = GaugeMetricFamily("csi_pmem_pool_capacity_bytes", "Size of the region", labels=labels)
         free = GaugeMetricFamily("csi_pmem_pool_free_bytes", "Free bytes in the region",
@@ -34,24 +102,49 @@ class PoolCollector:
         vols = GaugeMetricFamily("csi_pmem_pool_volumes", "Namespaces in the region",
                                  labels=labels)
         usable = GaugeMetricFamily(
-            "csi_pmem_pool_usable", "1 when volumes can be carved from the region, 0 when it is "
-            "label-less, misaligned or otherwise unusable (see the driver log)",
-            labels=[*labels, "problem"])
-        try:
-            pools = self.backend.pools()
-            namespaces = self.backend.namespaces()
-        except Exception:  # a scrape must not fail because ndctl did
-            pools, namespaces = [], []
+            "csi_pmem_pool_usable", "1 when volumes can be carved from the region, else 0; "
+            "reason names why not (label_less, misaligned, disabled, read_only, mode, "
+            "overcommitted, listing_failed; ok when usable): the driver log says how to fix it",
+            labels=[*labels, "reason"])
+        mode_usable = GaugeMetricFamily(
+            "csi_pmem_pool_mode_usable", "1 when volumes of this device mode (devdax, fsdax) "
+            "can be carved from the region, else 0 (e.g. a kernel without device_dax)",
+            labels=[*labels, "mode"])
         for p in pools:
             lv = [p.name, str(p.numa_node)]
             cap.add_metric(lv, p.size)
             free.add_metric(lv, p.free)
-            vols.add_metric(lv, sum(1 for n in namespaces if n.pool == p.name))
-            usable.add_metric([*lv, p.problem or ""], 0 if p.problem else 1)
+            vols.add_metric(lv, volumes.get(p.name, 0))
+            if not up:
+                reason = REASON_LISTING_FAILED
+            elif p.problem:
+                reason = p.reasons[0] if p.reasons else "unknown"
+            else:
+                reason = REASON_OK
+            usable.add_metric([*lv, reason], 1 if reason == REASON_OK else 0)
+            for mode in ("devdax", "fsdax"):
+                mode_usable.add_metric([*lv, mode],
+                                       1 if up and p.problem_for(mode) is None else 0)
         orphans = GaugeMetricFamily("csi_pmem_orphan_namespaces",
                                     "Namespaces named like volumes but without a state record")
         orphans.add_metric([], len(self.orphans()))
-        yield from (cap, free, vols, usable, orphans)
+        backend_up = GaugeMetricFamily(
+            "csi_pmem_backend_up", "1 when the last scrape could list the back end's pools "
+            "and namespaces (ndctl), 0 when it failed (pool series then repeat the last "
+            "good listing)")
+        backend_up.add_metric([], 1 if up else 0)
+        with self._lock:
+            errors, last_success = self._list_errors, self._last_success
+        list_errors = CounterMetricFamily(
+            "csi_pmem_backend_list_errors", "Scrapes whose pool or namespace listing failed")
+        list_errors.add_metric([], errors)
+        yield from (cap, free, vols, usable, mode_usable, orphans, backend_up, list_errors)
+        if last_success is not None:
+            success = GaugeMetricFamily(
+                "csi_pmem_backend_last_success_timestamp_seconds",
+                "Unix time of the last listing that succeeded")
+            success.add_metric([], last_success)
+            yield success
 
 
 class EraseCollector:
@@ -86,13 +179,19 @@ class EraseCollector:
 
 
 class Metrics:
-    def __init__(self, driver_name: str) -> None:
-        self.driver_name = driver_name
+    def __init__(self, driver_name: str, backend: str = "") -> None:
+        self.driver_name = driver_name or "unknown-driver"  # csi-lib-utils' placeholder
         self.registry = CollectorRegistry()
         self.operations = Histogram(
-            "csi_plugin_operations_seconds", "Duration of CSI operations",
+            "csi_plugin_operations_seconds", OPERATIONS_HELP,
             ["driver_name", "method_name", "grpc_status_code"], buckets=BUCKETS,
             registry=self.registry)
+        # -- build and process (csi-lib-utils registers process_start_time_seconds too)
+        self.build_info = Info("csi_pmem_build", "The driver's version, Python and back end "
+                               "(value 1)", registry=self.registry)
+        self.build_info.info({"version": __version__, "python": platform.python_version(),
+                              "backend": backend})
+        ProcessCollector(registry=self.registry)
         self.erase_bytes = Counter("csi_pmem_erase_bytes", "Bytes zeroed before release",
                                    registry=self.registry)
         self.erase_seconds = Counter("csi_pmem_erase_seconds", "Seconds spent zeroing",
@@ -101,6 +200,9 @@ class Metrics:
             "csi_pmem_erase_job_seconds", "Seconds from queueing an erase job to its end "
             "(for a deleted volume: until its space is free)", ["kind"],
             buckets=BUCKETS, registry=self.registry)
+        self.erase_failures = Counter(
+            "csi_pmem_erase_failures", "Erases (zeroing a namespace before release) that "
+            "failed; the delete fails with them and is retried", registry=self.registry)
         self.dax_connections = Counter(
             "csi_pmem_dax_socket_connections", "Connections to dax.sock by result",
             ["result"], registry=self.registry)
@@ -119,7 +221,7 @@ class Metrics:
         eraser.on_done = self.observe_erase_job
         self.registry.register(EraseCollector(eraser, ledger, backend))
 
-    def watch_pools(self, backend: Backend, orphans) -> None:
+    def watch_pools(self, backend: Backend, orphans: Callable[[], list]) -> None:
         self.registry.register(PoolCollector(backend, orphans))
 
     def serve(self, address: str):

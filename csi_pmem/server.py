@@ -58,7 +58,7 @@ def worker_count(cfg: ServeConfig) -> int:
 class Server:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
-        self.metrics = Metrics(cfg.driver_name)
+        self.metrics = Metrics(cfg.driver_name, backend=cfg.backend)
         self.mounter = HostMounter()
         self.backend = make_backend(cfg, self.mounter)
         os.makedirs(cfg.state_dir, exist_ok=True)
@@ -72,6 +72,7 @@ class Server:
                          delete_wait=cfg.delete_wait_seconds),
             self.backend, StateStore(cfg.state_dir), self.dax,
             on_erase=self.metrics.observe_erase,
+            on_erase_error=self.metrics.erase_failures.inc,
             gpu_copy=ServiceLink(cfg.gpu_copy_socket) if cfg.gpu_copy_socket else None,
             mounter=self.mounter)
         self.metrics.watch_pools(self.backend, lambda: self.driver.orphans)

@@ -720,6 +720,30 @@ def test_metrics_service_and_optional_servicemonitor(helm: str, default: Manifes
                    for a in off.container("csi-provisioner")["args"])
 
 
+def test_optional_prometheusrule_and_dashboard_ship_the_tested_files(helm: str,
+                                                                     default: Manifests) -> None:
+    """Off by default; when on, the PrometheusRule's groups are monitoring/alerts.yaml
+    (what tests/test_alerts.py runs promtool on) and the ConfigMap holds the dashboard
+    JSON (what tests/unit/test_monitoring.py checks), both unchanged."""
+    assert default.all("PrometheusRule") == [] and default.all("ConfigMap") == []
+    on = Manifests(render(helm, "--set", "metrics.prometheusRule.enabled=true",
+                          "--set", "metrics.prometheusRule.labels.release=prometheus",
+                          "--set", "metrics.grafanaDashboard.enabled=true"))
+    rule = on.one("PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["namespace"] == NAMESPACE
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    assert rule["spec"] == yaml.safe_load((CHART / "monitoring" / "alerts.yaml").read_text())
+    dash = on.one("ConfigMap")
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dash["data"]["csi-pmem.json"]) == \
+        json.loads((CHART / "dashboards" / "csi-pmem.json").read_text())
+    off = Manifests(render(helm, "--set", "metrics.enabled=false",
+                           "--set", "metrics.prometheusRule.enabled=true",
+                           "--set", "metrics.grafanaDashboard.enabled=true"))
+    assert off.all("PrometheusRule") == [] and off.all("ConfigMap") == []
+
+
 # --------------------------------------------------------------------------- schema
 
 

@@ -22,8 +22,8 @@ from csi_pmem.driver import Driver, DriverConfig
 from csi_pmem.erase import EraseCancelled
 from csi_pmem.eraser import DELETE, EraseQueue
 from csi_pmem.errors import Aborted, SpaceBeingErased
-from csi_pmem.servicers.status import status_for
 from csi_pmem.params import parse
+from csi_pmem.servicers.status import status_for
 from csi_pmem.state import StateStore
 
 from conftest import MiB, eventually

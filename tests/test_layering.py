@@ -139,3 +139,32 @@ def test_the_driver_dependencies_are_an_extra_with_capped_majors():
     assert "<2" in driver["grpcio"] and "<8" in driver["protobuf"], driver
     for name in ("loader", "gpu", "gpu-copy"):
         assert not {"grpcio", "protobuf"} & {r.split(">")[0] for r in extras[name]}, name
+
+
+def test_the_sidecar_metrics_say_what_to_install_without_prometheus_client():
+    """prometheus-client is in the loader extra, imported only at a scrape: without it the
+    sidecar still imports and serves its probes, and /metrics says what to install."""
+    body = """
+from csi_pmem.loader.sidecar import metrics
+from csi_pmem.loader.sidecar.status import Status
+code, ctype, text = metrics.render(Status(model="m").snapshot)
+print(code, text.decode().strip())
+"""
+    proc = run_blocked(body)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("501 ") and "pip install 'csi-pmem[loader]'" in proc.stdout
+
+
+def test_importing_the_loader_and_sidecar_does_not_import_prometheus_client():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, csi_pmem.loader, csi_pmem.loader.sidecar, "
+         "csi_pmem.weights_cli; print('prometheus_client' in sys.modules)"],
+        capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def test_the_loader_extra_serves_the_sidecar_metrics():
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert any(d.startswith("prometheus-client") for d in extras["loader"]), extras["loader"]

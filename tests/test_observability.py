@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import platform
 import socket
 import urllib.request
 
+from csi_pmem import __version__
 from csi_pmem.csi import csi_pb2
 
 from conftest import MiB, needs_root
@@ -37,14 +39,18 @@ def test_metrics(driver_factory):
     d.create("m2", size=100 * MiB, params={"numaNode": "0"})
     m = scrape(port)
     ok = ('csi_plugin_operations_seconds_count{driver_name="csi-pmem.io",'
-          'grpc_status_code="OK",method_name="CreateVolume"}')
+          'grpc_status_code="OK",method_name="/csi.v1.Controller/CreateVolume"}')
     assert m[ok] == 2
     assert m['csi_pmem_pool_capacity_bytes{numa_node="0",pool="region0"}'] == 1 << 30
     assert m['csi_pmem_pool_volumes{numa_node="0",pool="region0"}'] == 1
     assert m['csi_pmem_pool_volumes{numa_node="1",pool="region1"}'] == 0
     assert m['csi_pmem_pool_free_bytes{numa_node="1",pool="region1"}'] == 1 << 30
     assert m['csi_pmem_pool_free_bytes{numa_node="0",pool="region0"}'] < 1 << 30
-    assert m['csi_pmem_pool_usable{numa_node="0",pool="region0",problem=""}'] == 1
+    assert m['csi_pmem_pool_usable{numa_node="0",pool="region0",reason="ok"}'] == 1
+    build = (f'csi_pmem_build_info{{backend="emulated",python="{platform.python_version()}",'
+             f'version="{__version__}"}}')
+    assert m[build] == 1
+    assert m["csi_pmem_backend_up"] == 1
     assert m["csi_pmem_erase_bytes_total"] >= 100 * MiB
     assert m["csi_pmem_erase_seconds_total"] > 0
     assert m["csi_pmem_orphan_namespaces"] == 0

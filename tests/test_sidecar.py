@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from csi_pmem import params, weights_cli
 from csi_pmem.loader import (
@@ -160,6 +161,13 @@ class SidecarProc:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
+
+    def metrics(self) -> dict[tuple[str, frozenset], float]:
+        """/metrics as Prometheus parses it: {(sample name, labels): value}."""
+        code, body = self.get("/metrics")
+        assert code == 200, body
+        return {(smp.name, frozenset(smp.labels.items())): smp.value
+                for fam in text_string_to_metric_families(body) for smp in fam.samples}
 
     def status(self) -> dict:
         code, body = self.get("/status")
@@ -393,6 +401,14 @@ def test_first_start_stages_and_a_restart_is_ready_without_writing(shm, sidecars
     assert st["revision"].startswith("fp-") and st["verify_mode"] == "full"
     assert first.get("/healthz")[0] == 200
     assert json.loads(ready_file.read_text())["revision"] == st["revision"]
+    m, model = first.metrics(), frozenset({("model", "m")})
+    assert m[("csi_pmem_weights_ready", model)] == 1
+    assert m[("csi_pmem_weights_copied_bytes_total", model)] == st["bytes_copied"]
+    assert m[("csi_pmem_weights_model_bytes", model)] == st["bytes"]
+    assert m[("csi_pmem_weights_phase_seconds", model | {("phase", "total")})] > 0
+    full_ok = model | {("mode", "full"), ("result", "ok")}
+    assert m[("csi_pmem_weights_verifications_total", full_ok)] == 1
+    assert m[("csi_pmem_weights_state", model | {("state", "ready")})] == 1
     rc, secs = first.terminate()
     assert rc == 0 and secs < 5
     assert not ready_file.exists()
@@ -499,6 +515,9 @@ def test_a_model_larger_than_the_volume_says_by_how_much(shm, sidecars):
     assert st["error_kind"] == "too-small" and st["needed"] > st["available"] > 0
     assert "larger than the volume" in st["last_error"]
     assert s.get("/readyz")[0] == 503
+    m, model = s.metrics(), frozenset({("model", "m")})
+    assert m[("csi_pmem_weights_ready", model)] == 0
+    assert m[("csi_pmem_weights_error", model | {("kind", "too-small")})] == 1
     assert s.terminate()[0] == 0
 
 
@@ -547,6 +566,11 @@ def test_periodic_verify_notices_damage_and_repairs_it(shm, sidecars):
     s.wait_event("the staged copy is damaged; copying the damaged files again")
     s.wait_ready()
     assert s.status()["action"] == "repaired"
+    m, model = s.metrics(), frozenset({("model", "m")})
+    assert m[("csi_pmem_weights_verifications_total",
+              model | {("mode", "full"), ("result", "damaged")})] >= 1
+    assert m[("csi_pmem_weights_verifications_total",
+              model | {("mode", "full"), ("result", "ok")})] >= 2  # first stage, re-verify
     assert exported(vol, shm / "out") == lm.tree_digest(src)
 
 

@@ -40,6 +40,17 @@ from dataclasses import asdict, dataclass
 
 from csi_pmem.errors import FailedPrecondition
 
+# Why a region is unusable, as metrics say it (``csi_pmem_pool_usable{reason}``): a
+# closed set, so an alert can match on it and the label stays low-cardinality.
+REASON_DISABLED = "disabled"
+REASON_LABEL_LESS = "label_less"
+REASON_MISALIGNED = "misaligned"
+REASON_READ_ONLY = "read_only"
+REASON_MODE = "mode"  # the kernel offers neither devdax nor fsdax instances
+REASON_OVERCOMMITTED = "overcommitted"  # namespaces use more than the region holds
+REASONS = (REASON_DISABLED, REASON_LABEL_LESS, REASON_MISALIGNED, REASON_READ_ONLY,
+           REASON_MODE, REASON_OVERCOMMITTED)
+
 
 @dataclass(frozen=True)
 class Pool:
@@ -53,6 +64,9 @@ class Pool:
     align: int
     problem: str | None = None
     label_slots: int = 0
+    # Stable short names for ``problem`` (one per cause, in its order), for metrics and
+    # alerts: REASONS below. The long text is for the log and the CO.
+    reasons: tuple[str, ...] = ()
     # (mode, why) for device modes this region cannot carve although others work,
     # e.g. ("devdax", "no device-dax instance ...") on a kernel without device_dax.
     mode_problems: tuple[tuple[str, str], ...] = ()

@@ -41,7 +41,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from csi_pmem.backends.base import Backend, Namespace, Pool, device_busy
+from csi_pmem.backends.base import REASON_OVERCOMMITTED, Backend, Namespace, Pool, device_busy
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
@@ -168,6 +168,7 @@ class EmulatedBackend(Backend):
                            f"{size}; enlarge --emulated-regions for NUMA node {node}")
             pools.append(Pool(name=name, numa_node=node, size=size, free=free,
                               largest_extent=free, align=REGION_ALIGN, problem=problem,
+                              reasons=(REASON_OVERCOMMITTED,) if problem else (),
                               label_slots=LABEL_SLOTS_PER_REGION))
         return pools
 

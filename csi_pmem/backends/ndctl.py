@@ -51,7 +51,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from csi_pmem.backends.base import Backend, Namespace, Pool, device_busy
+from csi_pmem.backends.base import (
+    REASON_DISABLED,
+    REASON_LABEL_LESS,
+    REASON_MISALIGNED,
+    REASON_MODE,
+    REASON_READ_ONLY,
+    Backend,
+    Namespace,
+    Pool,
+    device_busy,
+)
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
@@ -320,7 +330,7 @@ class NdctlBackend(Backend):
         self._ndctl = ndctl
         self._sysfs = Sysfs(sysfs_root)
         self._timeout = timeout
-        self._learned: dict[str, tuple[str, float]] = {}
+        self._learned: dict[str, tuple[str, str, float]] = {}
         self._learned_lock = threading.Lock()  # pools() may run outside the node lock
         # Reads (GetCapacity, ListVolumes, metrics scrapes) share one listing for a short
         # while; create/destroy always list afresh and drop it, and the device watcher
@@ -373,7 +383,8 @@ class NdctlBackend(Backend):
     # -- pools ----------------------------------------------------------------------
     def _pool(self, region: dict[str, Any], listing: _Listing) -> Pool:
         name = str(region["dev"])
-        problems = self._problems(region)
+        found = self._problems(region)
+        problems = [text for _, text in found]
         align = self._pool_align(region)
         free = _int(region.get("available_size"))
         extent = region.get("max_available_extent")
@@ -389,6 +400,7 @@ class NdctlBackend(Backend):
             largest_extent=round_down(largest, align),
             align=align,
             problem="; ".join(problems) or None,
+            reasons=tuple(reason for reason, _ in found),
             label_slots=0 if problems else self._label_slots(region, listing),
             mode_problems=() if problems else self._mode_problems(name),
         )
@@ -404,7 +416,9 @@ class NdctlBackend(Backend):
             out.append(("fsdax", no_fsdax_problem(name)))
         return tuple(out)
 
-    def _problems(self, region: dict[str, Any]) -> list[str]:
+    def _problems(self, region: dict[str, Any]) -> list[tuple[str, str]]:
+        """(reason, message) for each cause that makes the region unusable: the reason
+        is one of base.REASONS (metrics), the message says what to do (log, CO)."""
         name = str(region["dev"])
         problems = []
         # sysfs is live, the listing may be a few seconds old: an unbound region is
@@ -412,17 +426,18 @@ class NdctlBackend(Backend):
         # otherwise be mistaken for missing kernel support).
         disabled = _disabled(region) or self._sysfs.bound(name) is False
         if disabled:
-            problems.append(disabled_problem(name))
+            problems.append((REASON_DISABLED, disabled_problem(name)))
         if self._labelled(region) is False:
-            problems.append(labelless_problem(name))
+            problems.append((REASON_LABEL_LESS, labelless_problem(name)))
         start = self._sysfs.read_int(name, "resource")
         if start is not None and start % NDCTL_START_ALIGN:
-            problems.append(misaligned_problem(name, start))
+            problems.append((REASON_MISALIGNED, misaligned_problem(name, start)))
         if self._sysfs.read(name, "read_only") == "1":
-            problems.append(readonly_problem(name))
+            problems.append((REASON_READ_ONLY, readonly_problem(name)))
         if not disabled and self._sysfs.read(name, "dax_seed") == "" \
                 and self._sysfs.read(name, "pfn_seed") == "":
-            problems.append(no_devdax_problem(name) + "; " + no_fsdax_problem(name))
+            problems.append((REASON_MODE, no_devdax_problem(name) + "; "
+                             + no_fsdax_problem(name)))
         learned = self._learned_problem(name)
         if learned and not problems:
             problems.append(learned)
@@ -525,17 +540,18 @@ class NdctlBackend(Backend):
         return min(totals, default=0)
 
     # -- learned problems ---------------------------------------------------------
-    def _learn(self, region: str, problem: str) -> None:
+    def _learn(self, region: str, reason: str, problem: str) -> None:
         with self._learned_lock:
-            self._learned[region] = (problem, time.monotonic() + LEARNED_PROBLEM_TTL)
+            self._learned[region] = (reason, problem, time.monotonic() + LEARNED_PROBLEM_TTL)
 
-    def _learned_problem(self, region: str) -> str | None:
+    def _learned_problem(self, region: str) -> tuple[str, str] | None:
+        """(reason, message) learned from a failed create, until it expires."""
         with self._learned_lock:
             entry = self._learned.get(region)
-            if entry and entry[1] < time.monotonic():
+            if entry and entry[2] < time.monotonic():
                 del self._learned[region]
                 return None
-            return entry[0] if entry else None
+            return (entry[0], entry[1]) if entry else None
 
     # -- namespaces -----------------------------------------------------------------
     def _namespace(self, ns: dict[str, Any], pool: Pool, raw_size: int | None = None) -> Namespace:
@@ -747,11 +763,11 @@ class NdctlBackend(Backend):
         kind = classify(err.stderr)
         said = _last_line(err.stderr)
         if kind == "labelless":
-            self._learn(pool.name, labelless_problem(pool.name))
+            self._learn(pool.name, REASON_LABEL_LESS, labelless_problem(pool.name))
             return Unavailable(labelless_problem(pool.name))
         if kind == "misaligned":
             start = self._sysfs.read_int(pool.name, "resource")
-            self._learn(pool.name, misaligned_problem(pool.name, start))
+            self._learn(pool.name, REASON_MISALIGNED, misaligned_problem(pool.name, start))
             return Unavailable(misaligned_problem(pool.name, start))
         if kind == "exists":
             return AlreadyExists(f"a namespace named {name} already exists (ndctl: {said})")

@@ -16,8 +16,9 @@ from collections.abc import Callable
 import grpc
 from google.protobuf import json_format
 
+from csi_pmem.csi import csi_pb2
 from csi_pmem.errors import InvalidArgument
-from csi_pmem.servicers.status import status_for
+from csi_pmem.servicers.status import GO_CODE_NAMES, status_for
 
 log = logging.getLogger("csi_pmem.rpc")
 QUIET = {"Probe", "NodeGetCapabilities", "GetPluginInfo", "GetPluginCapabilities",
@@ -29,8 +30,24 @@ QUIET = {"Probe", "NodeGetCapabilities", "GetPluginInfo", "GetPluginCapabilities
 # bounded; the log keeps the whole text.
 MAX_MESSAGE_BYTES = 1024
 
-# Observer hook: (method, code name, seconds). Metrics register here.
+# Observer hook: (full method name, Go-style code name, seconds), as csi-lib-utils
+# labels its operation histograms ("/csi.v1.Controller/CreateVolume", "OutOfRange").
+# Metrics register here.
 observers: list[Callable[[str, str, float], None]] = []
+
+
+def _full_methods() -> dict[str, str]:
+    """Every CSI method's gRPC path by its short name (the servicer method's name).
+    The spec's method names are unique across its services; checked here."""
+    out: dict[str, str] = {}
+    for service in csi_pb2.DESCRIPTOR.services_by_name.values():
+        for m in service.methods:
+            assert m.name not in out, f"CSI method {m.name} is in two services"
+            out[m.name] = f"/{service.full_name}/{m.name}"
+    return out
+
+
+FULL_METHODS = _full_methods()
 
 
 def redact(request) -> dict:
@@ -48,6 +65,7 @@ def redact(request) -> dict:
 
 def rpc(method: Callable) -> Callable:
     name = method.__name__
+    full_name = FULL_METHODS[name]  # a KeyError here: not a CSI method
 
     @functools.wraps(method)
     def wrapper(self, request, context: grpc.ServicerContext):
@@ -63,7 +81,7 @@ def rpc(method: Callable) -> Callable:
         finally:
             seconds = time.monotonic() - start
             for observe in observers:
-                observe(name, code.name, seconds)
+                observe(full_name, GO_CODE_NAMES[code], seconds)
             level = logging.DEBUG if name in QUIET and code == grpc.StatusCode.OK \
                 else logging.INFO
             if log.isEnabledFor(level):

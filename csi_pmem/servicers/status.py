@@ -48,3 +48,27 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             return code, str(exc) or klass.__name__
     return grpc.StatusCode.INTERNAL, (
         f"internal error ({type(exc).__name__}); see the driver log for details")
+
+
+# The codes as the Go gRPC library spells them (``codes.Code.String()``): what
+# csi-lib-utils puts in ``grpc_status_code``, so our histogram joins with the sidecars'.
+# Python says CANCELLED where Go says Canceled, so this is a table, not a case change.
+GO_CODE_NAMES: dict[grpc.StatusCode, str] = {
+    grpc.StatusCode.OK: "OK",
+    grpc.StatusCode.CANCELLED: "Canceled",
+    grpc.StatusCode.UNKNOWN: "Unknown",
+    grpc.StatusCode.INVALID_ARGUMENT: "InvalidArgument",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "DeadlineExceeded",
+    grpc.StatusCode.NOT_FOUND: "NotFound",
+    grpc.StatusCode.ALREADY_EXISTS: "AlreadyExists",
+    grpc.StatusCode.PERMISSION_DENIED: "PermissionDenied",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "ResourceExhausted",
+    grpc.StatusCode.FAILED_PRECONDITION: "FailedPrecondition",
+    grpc.StatusCode.ABORTED: "Aborted",
+    grpc.StatusCode.OUT_OF_RANGE: "OutOfRange",
+    grpc.StatusCode.UNIMPLEMENTED: "Unimplemented",
+    grpc.StatusCode.INTERNAL: "Internal",
+    grpc.StatusCode.UNAVAILABLE: "Unavailable",
+    grpc.StatusCode.DATA_LOSS: "DataLoss",
+    grpc.StatusCode.UNAUTHENTICATED: "Unauthenticated",
+}

@@ -167,6 +167,7 @@ def test_misaligned_region_is_reported_with_its_start(sysroot):
     assert "not 16 MiB aligned" in bad.problem
     assert "misaligned to 16M" in bad.problem
     assert "align=16M" in bad.problem
+    assert bad.reasons == ("misaligned",)
     assert (bad.free, bad.largest_extent, bad.label_slots) == (0, 0, 0)
     good = pools["region0"]  # starts at 0x100000000
     assert good.usable
@@ -184,6 +185,7 @@ def test_labelless_region_reported_from_sysfs_nstype(sysroot):
     assert not bad.usable
     assert "label-less" in bad.problem
     assert LABELLESS_FIX in bad.problem
+    assert bad.reasons == ("label_less",)
     assert (bad.free, bad.largest_extent, bad.label_slots) == (0, 0, 0)
     assert bad.size == 1008 * MiB  # the capacity is there, it just cannot be carved
     assert pools["region1"].usable
@@ -229,6 +231,7 @@ def test_disabled_and_readonly_regions(sysroot):
     pools = pools_by_name(backend(FakeRunner(listing), root))
     assert "ndctl enable-region region1" in pools["region1"].problem
     assert "read-only" in pools["region0"].problem
+    assert (pools["region1"].reasons, pools["region0"].reasons) == (("disabled",), ("read_only",))
 
 
 def test_region_without_devdax_support(sysroot):
@@ -244,6 +247,7 @@ def test_region_without_devdax_support(sysroot):
     pools = pools_by_name(backend(FakeRunner(load("list_two_regions")), root))
     assert "modprobe dax_pmem" in pools["region0"].problem
     assert "nd_pmem" in pools["region0"].problem
+    assert pools["region0"].reasons == ("mode",)
 
 
 def test_unbound_region_is_disabled_even_if_the_listing_is_older(sysroot):
@@ -611,6 +615,7 @@ def test_learned_problem_makes_pool_unusable(sysroot):
         b.create("pvc-5d4c3b2a19", "region1", 256 * MiB, 2 * MiB)
     pools = pools_by_name(b)
     assert LABELLESS_FIX in pools["region1"].problem  # sysfs said labelled; ndctl knew better
+    assert pools["region1"].reasons == ("label_less",)
     assert pools["region0"].usable
     # The next create is refused up front instead of failing inside ndctl again.
     with pytest.raises(Unavailable):

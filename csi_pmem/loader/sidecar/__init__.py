@@ -47,7 +47,7 @@ revision, since a model is placed after the last committed one), never shrunk.
 
 The package, one module per job: :mod:`.revision` (the fingerprint), :mod:`.lock`,
 :mod:`.space` (revisions and space), :mod:`.verify`, :mod:`.reconcile` (one pass),
-:mod:`.status` (``/status``, failure kinds, progress), :mod:`.probes` (HTTP),
+:mod:`.status` (``/status``, failure kinds, progress), :mod:`.probes` (HTTP), :mod:`.metrics`,
 :mod:`.process` (threads and signals), :mod:`.cli`; :mod:`.events` is the log events.
 """
 

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="without --revision: sample (headers plus a few MiB of data; "
                         "default) or full (hash every byte of the source)")
     p.add_argument("--listen", type=parse_listen, default=("", 8081), metavar="[HOST]:PORT",
-                   help="HTTP address for /readyz, /healthz, /status (default :8081)")
+                   help="HTTP address for /readyz, /healthz, /status and /metrics (default :8081)")
     p.add_argument("--ready-file", default=None, metavar="PATH",
                    help="write this file (JSON: model, revision) while ready")
     p.add_argument("--verify-interval", type=_seconds, default=0.0, metavar="SECONDS",

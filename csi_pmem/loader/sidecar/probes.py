@@ -1,6 +1,7 @@
-"""The HTTP endpoints kubelet probes: ``/readyz``, ``/healthz`` and ``/status``.
+"""The HTTP endpoints kubelet probes: ``/readyz``, ``/healthz`` and ``/status``, and
+Prometheus' ``/metrics`` (:mod:`.metrics`).
 
-Why the standard library's server: three GET paths answered from a snapshot need no
+Why the standard library's server: four GET paths answered from a snapshot need no
 framework, and the sidecar must run with the loader's dependencies only.
 """
 
@@ -12,6 +13,7 @@ import socket
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from csi_pmem.loader.sidecar import metrics
 from csi_pmem.loader.sidecar.events import log
 from csi_pmem.loader.sidecar.status import Status
 
@@ -57,11 +59,15 @@ class _Handler(BaseHTTPRequestHandler):
                        "ok\n" if snap["healthy"] else f"unhealthy: {snap['last_error']}\n")
         elif path == "/status":
             self._send(200, json.dumps(snap, indent=1) + "\n", "application/json")
+        elif path == "/metrics":
+            code, ctype, body = metrics.render(lambda: snap)
+            self._send(code, body, ctype)
         else:
-            self._send(404, "not found: try /readyz, /healthz or /status\n")
+            self._send(404, "not found: try /readyz, /healthz, /status or /metrics\n")
 
-    def _send(self, code: int, body: str, ctype: str = "text/plain; charset=utf-8") -> None:
-        data = body.encode()
+    def _send(self, code: int, body: str | bytes,
+              ctype: str = "text/plain; charset=utf-8") -> None:
+        data = body.encode() if isinstance(body, str) else body
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))

@@ -140,8 +140,13 @@ class Sidecar:
         try:
             outcome = self.reconcile(verify_mode)
         except (LoaderError, OSError) as exc:
+            if isinstance(exc, ChecksumError):
+                st.verified(verify_mode or self.cfg.verify_on_start, "damaged")
             self._not_ready("error", exc)
             return False
+        st.add(copied_total=outcome.copied, reused_total=outcome.reused)
+        if outcome.verify_mode and outcome.verify_mode != "none":
+            st.verified(outcome.verify_mode, "ok", outcome.verified_bytes)
         age = process_age()
         st.update(state="ready", ready=True, last_error=None, error_kind=None,
                   needed=None, available=None, action=outcome.action,
@@ -201,8 +206,10 @@ class Sidecar:
                     return
                 bad, hashed = verify_model(volume, model, "full", cfg.threads)
         except (LoaderError, OSError) as exc:
+            st.verified("full", "error")
             self._not_ready("error", exc)
             return
+        st.verified("full", "damaged" if bad else "ok", hashed)
         if bad:
             self._not_ready("damaged", ChecksumError(damage(model, bad)))
             self._attempt("full")  # copies the damaged files again (when writable)

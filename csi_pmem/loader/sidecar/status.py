@@ -59,6 +59,9 @@ class Status:
             "space": "", "last_error": None, "error_kind": None, "attempts": 0,
             "startup_seconds": None, "phases": {}, "last_verified": None,
             "verify_mode": None, "needed": None, "available": None, "retry_in": None,
+            # Totals over the process's life, for /metrics' counters.
+            "copied_total": 0, "reused_total": 0, "verified_total": 0,
+            "verifications": {},  # {mode: {result: count}}; results ok, damaged, error
             "pid": os.getpid(), **initial}
 
     def update(self, **fields: Any) -> None:
@@ -68,6 +71,19 @@ class Status:
     def phase(self, name: str, seconds: float) -> None:
         with self._lock:
             self._data["phases"][name] = round(seconds, 4)
+
+    def add(self, **amounts: int) -> None:
+        """Add to the totals (``copied_total=...``)."""
+        with self._lock:
+            for key, n in amounts.items():
+                self._data[key] += n
+
+    def verified(self, mode: str, result: str, nbytes: int = 0) -> None:
+        """Count one verification: ``mode`` sample/full, ``result`` ok/damaged/error."""
+        with self._lock:
+            by_result = self._data["verifications"].setdefault(mode, {})
+            by_result[result] = by_result.get(result, 0) + 1
+            self._data["verified_total"] += nbytes
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
