@@ -26,7 +26,8 @@
 #   PYTEST ARGS go to pytest in the guest, e.g. -- -k erase -x
 # Env:   E2E_VM_OUT      results directory (default: <repo>/build/e2e-vm; each
 #                        configuration's subdirectory is replaced by the run)
-#        E2E_VM_TIMEOUT  seconds per boot before QEMU is killed (default 900)
+#        E2E_VM_TIMEOUT  seconds per boot before QEMU is killed (default 1800: the main
+#                        configuration takes 15-20 min under TCG on 2 loaded cores)
 #        E2E_VM_SMP / E2E_VM_MEM_GIB   guest CPUs (2, split over the two NUMA nodes)
 #                        and RAM in GiB (2, half per node)
 #        CSI_SANITY_BIN  csi-sanity binary (default: the cached build of
@@ -62,7 +63,7 @@ for c in "${configs[@]}"; do
 done
 
 out_root="${E2E_VM_OUT:-${repo}/build/e2e-vm}"
-timeout_s="${E2E_VM_TIMEOUT:-900}"
+timeout_s="${E2E_VM_TIMEOUT:-1800}"
 smp="${E2E_VM_SMP:-2}"
 mem_gib="${E2E_VM_MEM_GIB:-2}"
 # Nehalem (SSE4.2, no AVX, no ERMS) rather than max: glibc then picks SSE2-class string
