@@ -16,6 +16,7 @@ copied byte for byte, so containerd stores them once for both images.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import io
 import json
@@ -95,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         if base_layers:
             with tarfile.open(args.base) as src:
                 for d, member in base_layers:
-                    info = src.getmember(member)
+                    data = src.extractfile(member)
+                    info = copy.copy(src.getmember(member))  # the source's own entry stays
                     info.name = f"{d}/layer.tar"
-                    tar.addfile(info, src.extractfile(member))
+                    tar.addfile(info, data)
         for d, layer in zip(diff_ids[len(base_layers):], args.layer, strict=True):
             tar.add(layer, arcname=f"{d}/layer.tar")
         add_bytes(tar, "manifest.json", json.dumps(manifest).encode())
