@@ -61,10 +61,15 @@ def inspect(target: str) -> dict:
 
     meta, fd = open_volume(target)
     try:
-        size = int(meta["usable_size"])
-        prot = mmap.PROT_READ | (0 if meta.get("readonly") else mmap.PROT_WRITE)
-        with mmap.mmap(fd, size, mmap.MAP_SHARED, prot) as mm:
-            first = mm[:16].hex()
+        try:
+            size = int(meta["usable_size"])
+            prot = mmap.PROT_READ | (0 if meta.get("readonly") else mmap.PROT_WRITE)
+            with mmap.mmap(fd, size, mmap.MAP_SHARED, prot) as mm:
+                first = mm[:16].hex()
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ClientError(f"{target}: volume.json has no usable size ({exc})") from exc
+        except OSError as exc:
+            raise ClientError(f"cannot map the volume at {target}: {exc.strerror}") from exc
         return {"metadata": meta, "mapped_bytes": size, "first_16_bytes": first,
                 "fd_flags": "O_RDONLY" if meta.get("readonly") else "O_RDWR"}
     finally:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -432,7 +433,11 @@ class Driver:
         try:
             fd = self.backend.open_device(ns, readonly=False, exclusive=True)
             try:
-                result = zero_fd(fd, ns.usable_size, threads=self.config.erase_threads,
+                st = os.fstat(fd)
+                # A regular file (the emulated back end) is handed to the pod whole, so
+                # all of it is erased, not just the usable size.
+                length = st.st_size if stat.S_ISREG(st.st_mode) else ns.usable_size
+                result = zero_fd(fd, length, threads=self.config.erase_threads,
                                  verify=self.config.erase_verify,
                                  cpus=node_cpus(ns.numa_node), cancel=cancel)
             finally:

@@ -46,6 +46,7 @@ class Job:
     started_at: float | None = None
     attempts: int = 0
     error: str = ""
+    running: bool = False  # in a worker now (guarded by the queue's condition)
 
 
 class EraseQueue:
@@ -109,11 +110,15 @@ class EraseQueue:
             self._cond.wait(timeout)
 
     def cancel(self, key: str) -> Job | None:
-        """Ask the job with ``key`` to stop (a running one stops at its next chunk)."""
+        """Ask the job with ``key`` to stop: a running one stops at its next chunk; one
+        that is queued or waiting for a retry is done at once (whoever waits for it, a
+        CreateVolume giving way to nothing, must not wait for a worker or a timer)."""
         with self._cond:
             job = self._jobs.get(key)
-        if job is not None:
-            job.cancel.set()
+            if job is not None:
+                job.cancel.set()
+                if not job.running:
+                    self._finish(job)
         return job
 
     # ------------------------------------------------------------------ workers
@@ -122,9 +127,11 @@ class EraseQueue:
             job = self._queue.get()
             if job is None:
                 return
-            if job.cancel.is_set():
-                self._finish(job)
-                continue
+            with self._cond:
+                if job.cancel.is_set() or job.done.is_set():
+                    self._finish(job)
+                    continue
+                job.running = True
             job.started_at = time.monotonic()
             job.attempts += 1
             try:
@@ -141,6 +148,9 @@ class EraseQueue:
             else:
                 self.on_done(job, time.monotonic() - job.queued_at)
                 self._finish(job)
+            finally:
+                with self._cond:
+                    job.running = False
 
     def _finish(self, job: Job) -> None:
         with self._cond:
@@ -154,7 +164,10 @@ class EraseQueue:
 
         def again() -> None:
             with self._cond:
-                if self._closed or job.cancel.is_set():
+                if self._closed:
+                    return
+                if job.cancel.is_set():
+                    self._finish(job)  # cancelled while it waited: nothing more to do
                     return
                 self._queue.put(job)
 

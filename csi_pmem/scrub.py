@@ -130,10 +130,12 @@ class Scrubber:
                 return
             generation = rec.generation
             self.ledger.begin_scrub(pool)
+            covered = False  # every free extent has a scratch namespace
             try:
                 while len(made) < MAX_SCRATCH and not cancel.is_set():
                     size = round_down(pool.largest_extent, pool.align)
                     if size <= 0:
+                        covered = True
                         break
                     name = scratch_name(pool_name, len(made))
                     self.ledger.set_scrub(pool_name, [*(ns.name for ns in made), name])
@@ -160,11 +162,21 @@ class Scrubber:
                     raise EraseCancelled(f"scrub of {pool_name} gave way")
                 self.erase(ns, cancel)
             failpoints.hit(failpoints.SCRUB_AFTER_ERASE)
-        finally:
+        except BaseException:
+            # Not erased (a failure, a cancellation): the region stays dirty.
             with self.node_lock:
                 self._teardown(pool_name, made)
-                if not cancel.is_set():
-                    self._finish(pool_name, generation)
+            raise
+        with self.node_lock:
+            self._teardown(pool_name, made)
+            if cancel.is_set():
+                return
+            if not covered:
+                log.warning("scrubbing %s covered %d free extents, not all of them; it stays "
+                            "dirty (new volumes there are zeroed when created)", pool_name,
+                            len(made))
+                return
+            self._finish(pool_name, generation)
 
     def _finish(self, pool_name: str, generation: int) -> None:
         pool = self._pool(pool_name)

@@ -21,7 +21,7 @@ from csi_pmem.daxsock import DaxSocketServer
 from csi_pmem.driver import Driver, DriverConfig
 from csi_pmem.erase import EraseCancelled
 from csi_pmem.eraser import DELETE, EraseQueue
-from csi_pmem.errors import Aborted, SpaceBeingErased
+from csi_pmem.errors import Aborted, BackendError, SpaceBeingErased
 from csi_pmem.params import parse
 from csi_pmem.servicers.status import status_for
 from csi_pmem.state import StateStore
@@ -322,3 +322,41 @@ def test_queue_close_cancels_running_jobs():
     assert running.wait(5)
     q.close(timeout=5)
     assert q.jobs() == []
+
+
+def test_a_failed_scrub_leaves_the_region_dirty(drivers, monkeypatch):
+    """An erase that fails (a verification or I/O error) must not mark the free space
+    clean: it was not zeroed."""
+    d = drivers(scrub=False)
+
+    def failing(ns, cancel=None):
+        raise BackendError(f"zeroing {ns.name} failed verification")
+
+    monkeypatch.setattr(d.scrubber, "erase", failing)
+    with pytest.raises(BackendError):
+        d.scrubber.run("region0", threading.Event())
+    assert not d.ledger.is_clean("region0")
+    assert d.store.get_region("region0").scrub == [], "the scratch namespaces stayed"
+    assert d.backend.pools()[0].free == REGION
+
+
+def test_a_cancelled_job_waiting_in_the_queue_or_for_a_retry_is_done_at_once(monkeypatch):
+    monkeypatch.setattr("csi_pmem.eraser.RETRY_FIRST", 30.0)  # the retry would be far off
+    q = EraseQueue(workers=1)
+    gate = threading.Event()
+    try:
+        q.submit("busy", DELETE, "region0", 10, lambda cancel: gate.wait(10))
+        queued = q.submit("queued", DELETE, "region0", 10, lambda cancel: None)
+        q.cancel("queued")  # behind the busy one: never started
+        assert queued.done.is_set() and "queued" not in [j.key for j in q.jobs()]
+        gate.set()
+
+        def fails(cancel):
+            raise OSError("transient")
+
+        retrying = q.submit("retry", DELETE, "region0", 10, fails)
+        eventually(lambda: retrying.attempts == 1 and not retrying.running, "a failed attempt")
+        q.cancel("retry")  # waiting for its retry timer
+        assert retrying.done.is_set() and q.jobs() == []
+    finally:
+        q.close()

@@ -645,12 +645,7 @@ class NdctlBackend(Backend):
         listing = self._list()
         if listing.named(name):
             raise AlreadyExists(f"a namespace named {name} already exists")
-        region = listing.region(pool)
-        if region is None or region.get("type", "pmem") != "pmem":
-            raise Unavailable(f"pmem region {pool} is not present on this node")
-        target = self._pool(region, listing)
-        if target.problem:
-            raise Unavailable(target.problem)
+        _, target = self._present_pool(listing, pool)
         if size <= 0 or size % target.align:
             raise InvalidArgument(f"scratch namespace size {size} on {pool} must be a "
                                   f"positive multiple of {format_bytes(target.align)}")
@@ -679,14 +674,19 @@ class NdctlBackend(Backend):
                          device=f"/dev/{out['blockdev']}", handle=str(out.get("dev", "")),
                          mode="raw", fs_dax=False)
 
-    def _usable_pool(self, listing: _Listing, pool: str, size: int, align: int,
-                     mode: str) -> Pool:
+    def _present_pool(self, listing: _Listing, pool: str) -> tuple[dict, Pool]:
+        """The pmem region ``pool`` and its pool, or Unavailable saying why not."""
         region = listing.region(pool)
         if region is None or region.get("type", "pmem") != "pmem":
             raise Unavailable(f"pmem region {pool} is not present on this node")
         target = self._pool(region, listing)
         if target.problem:
             raise Unavailable(target.problem)
+        return region, target
+
+    def _usable_pool(self, listing: _Listing, pool: str, size: int, align: int,
+                     mode: str) -> Pool:
+        region, target = self._present_pool(listing, pool)
         ways = self._interleave_ways(region)
         if size % target.align or size % (align * ways):
             raise InvalidArgument(
