@@ -2,13 +2,21 @@
 # The csi-pmem image: the node plugin (`csi-pmem serve`, the chart's DaemonSet) and the
 # weights tools (`csi-pmem-weights`, the staging sidecar in deploy/examples/).
 #
+#   make image     (buildah, no daemon or registry: scripts/build-image.sh)
 #   docker build -t example.com/csi-pmem/csi-pmem:0.1.0 .
 #
-# Debian 12 with Debian's own python3 (3.11): the image matches the hosts we test on and
-# the cluster test bed's image, which is built without Docker (e2e/cluster/images.sh:
-# debootstrap minbase with e2e/cluster/image-packages.txt, then the same wheel install
-# into a venv at /opt/csi-pmem). tests/test_chart.py keeps RUNTIME_PACKAGES and that
-# list identical, and the install steps alike.
+# Debian 12 with Debian's own python3 (3.11): the image matches the hosts we test on.
+# make image makes the base, debian:12-slim, with debootstrap (there is no registry to
+# pull it from), passes the source revision, source and build time for the OCI labels at
+# the end, and writes a docker-archive; the cluster test bed (e2e/cluster) runs exactly
+# that archive.
+#
+# One image for the node plugin and the weights sidecar, on purpose: the sidecar is the
+# driver's own code (csi_pmem.loader, daxclient) and must match the plugin's dax.sock
+# protocol, so it runs the plugin's image tag (deploy/examples/); a second image would
+# be a second build and tag to keep in step for the ~5 MB that ndctl, daxctl, xfsprogs
+# and their libraries install, of ~420 MB (the venv is ~160 MB: numpy, cuda-bindings,
+# grpcio). The sidecar needs libpmem1 (pmem_persist) from the same package set.
 #
 # Runs as root, and cannot run as anyone else: the node plugin mounts tmpfs into
 # kubelet's pod directories (Bidirectional propagation needs a privileged container),
@@ -31,7 +39,11 @@ COPY csi_pmem ./csi_pmem
 # protobuf, prometheus-client, pyudev; cuda-bindings for the optional GPU copy service
 # container, `csi-pmem gpu-copy`; numpy and safetensors for the weights sidecar, whose
 # wsum64 checksums are numpy reductions): the runtime stage installs from these.
-RUN python3 -m pip wheel --wheel-dir /wheels ".[driver,gpu-copy,loader]"
+# Behind a TLS-intercepting proxy, pip needs its CA: make image passes the host's bundle
+# as the secret pip-ca (scripts/build-image.sh); a build without it uses the image's own.
+RUN --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && python3 -m pip wheel --wheel-dir /wheels ".[driver,gpu-copy,loader]"
 
 FROM ${DEBIAN_IMAGE}
 ARG DEBIAN_IMAGE
@@ -66,3 +78,13 @@ ENV PATH=/opt/csi-pmem/bin:${PATH} \
     PYTHONDONTWRITEBYTECODE=1
 USER 0:0
 ENTRYPOINT ["csi-pmem", "serve"]
+# Last, so that a new revision or build time reuses every layer above (make image passes
+# these: scripts/build-image.sh).
+ARG REVISION=unknown
+ARG SOURCE=https://example.com/csi-pmem/csi-pmem
+ARG CREATED
+ARG BASE_DIGEST
+LABEL org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.base.digest="${BASE_DIGEST}"

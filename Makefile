@@ -5,7 +5,7 @@ RUN_DIR ?= /tmp/csi-pmem
 export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
 
 .PHONY: setup tools run test check check-fast unit lint proto proto-check sanity bench clean e2e-vm \
-	helm-lint deploy deploy-check e2e-cluster
+	helm-lint deploy deploy-check e2e-cluster image
 
 setup:
 	@bash scripts/setup.sh
@@ -72,6 +72,14 @@ deploy:
 
 deploy-check: helm-lint
 	@bash scripts/render-deploy.sh --check
+
+# The image, from the Dockerfile, without a Docker daemon or a registry: buildah, with the
+# debian:12-slim base made by debootstrap (scripts/build-image.sh). Writes
+# build/image/csi-pmem-<version>.tar (docker-archive) and build/image/csi-pmem.env (the
+# image reference); cached in $(CSI_PMEM_CACHE)/image by its inputs, so a warm run only
+# checks. Needs root, buildah and debootstrap. The cluster tier runs exactly this archive.
+image:
+	@bash scripts/build-image.sh
 
 bench: setup
 	$(PY) benchmarks/bench_driver.py

@@ -8,7 +8,7 @@ hostPID for the dax.sock peer check, Bidirectional propagation on the kubelet
 directory, external-provisioner in node-deployment mode with capacity tracking, RBAC
 that covers exactly what that mode needs, StorageClasses that point at the driver.
 They also check that the schema rejects bad values, that deploy/ is what the chart
-renders, and that the Dockerfile installs what the cluster test bed's image installs.
+renders, and that the cluster test bed runs the image the Dockerfile builds.
 
 helm v3 comes from ``scripts/install-helm.sh`` (built from the Go module proxy, cached
 outside the repo; ``HELM`` points at another binary). The tests skip only when the
@@ -983,48 +983,69 @@ def test_dockerfile_structure() -> None:
     assert "org.opencontainers.image.title" in labels
 
 
-def cluster_image_scripts() -> list[Path]:
-    if not CLUSTER_DIR.is_dir():
-        return []
-    return sorted(p for p in CLUSTER_DIR.rglob("*") if p.is_file()
-                  and p.suffix in ("", ".sh", ".py") and "debootstrap" in p.read_text(
-                      errors="replace"))
+BUILD_IMAGE = REPO / "scripts" / "build-image.sh"
 
 
-# What both images do after the packages: a venv at /opt/csi-pmem installed from wheels
-# only, with the driver extra (grpcio, protobuf, ...: the base install has none), and the
-# entry points on the default PATH.
-INSTALL_STEPS = ("python3 -m venv /opt/csi-pmem", "--no-index --find-links",
-                 '/wheels "csi-pmem[driver', "/opt/csi-pmem/bin/csi-pmem /usr/local/bin/csi-pmem")
-
-
-def test_dockerfile_matches_cluster_image() -> None:
-    """The test bed builds the driver image without Docker (debootstrap + the same steps):
-    the same Debian packages (e2e/cluster/image-packages.txt) and the same install steps.
+def test_dockerignore_admits_exactly_what_the_dockerfile_copies() -> None:
+    """The context is the repository root: .dockerignore ignores everything (a .venv,
+    build/, .git and caches would otherwise be sent and could reach a layer) and
+    re-admits exactly the COPY sources, so a new COPY without its line fails here first.
     """
-    scripts = cluster_image_scripts()
-    pkgfile = CLUSTER_DIR / "image-packages.txt"
-    if not scripts and not pkgfile.is_file():
-        pytest.skip("e2e/cluster has no debootstrap image yet: the Dockerfile's structure "
-                    "is checked by test_dockerfile_structure")
-    ours = runtime_packages()
-    if pkgfile.is_file():
-        theirs = [w for line in pkgfile.read_text().splitlines()
-                  for w in line.split("#")[0].split()]
-        assert sorted(ours) == sorted(theirs), (
-            f"Dockerfile RUNTIME_PACKAGES {sorted(ours)} != e2e/cluster/image-packages.txt "
-            f"{sorted(theirs)}: change both")
-    else:
-        text = "\n".join(p.read_text() for p in scripts)
-        words = set(re.findall(r"[A-Za-z0-9][A-Za-z0-9.+-]*", text.replace(",", " ")))
-        missing = [p for p in ours if p not in words]
-        assert not missing, f"the cluster image lacks Dockerfile packages {missing}"
-    dockerfile = " ".join(DOCKERFILE.read_text().split())
-    bed = " ".join(" ".join(p.read_text() for p in scripts).split())
-    for step in INSTALL_STEPS:
-        assert step in dockerfile, f"Dockerfile: {step!r}"
-        if scripts:
-            assert step in bed, f"e2e/cluster image scripts: {step!r}"
+    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    assert patterns[0] == "*", patterns
+    admitted = {p[1:].strip("/") for p in patterns if p.startswith("!")}
+    copied = set()
+    for instr, rest in dockerfile_instructions():
+        if instr == "COPY" and "--from" not in rest:
+            *sources, _dest = shlex.split(rest)
+            copied.update(src.removeprefix("./").strip("/") for src in sources)
+    assert copied and admitted == copied, (admitted, copied)
+    for path in (".venv", "build", ".git", ".pytest_cache", "e2e", "tests"):
+        assert path not in admitted, path
+
+
+def test_labels_record_the_build_and_come_last() -> None:
+    """make image passes the source revision, source and build time as build args into
+    OCI labels; they come after every RUN so a new commit rebuilds no layer.
+    """
+    ins = dockerfile_instructions()
+    declared = {rest.split("=", 1)[0] for instr, rest in ins if instr == "ARG"}
+    passed = set(re.findall(r'--build-arg "([A-Z_]+)=', BUILD_IMAGE.read_text()))
+    assert {"DEBIAN_IMAGE", "VERSION", "REVISION", "SOURCE", "CREATED"} <= passed, passed
+    assert passed <= declared, f"build args the Dockerfile does not declare: {passed - declared}"
+    labels = " ".join(rest for instr, rest in ins if instr == "LABEL")
+    for name, arg in (("revision", "REVISION"), ("source", "SOURCE"),
+                      ("created", "CREATED"), ("version", "VERSION"),
+                      ("base.name", "DEBIAN_IMAGE")):
+        assert f'org.opencontainers.image.{name}="${{{arg}}}"' in labels, name
+    last_run = max(i for i, (instr, _) in enumerate(ins) if instr == "RUN")
+    for i, (instr, rest) in enumerate(ins):
+        if instr == "ARG" and rest.split("=", 1)[0] in ("REVISION", "CREATED"):
+            assert i > last_run, f"ARG {rest} before a RUN invalidates its layer per commit"
+
+
+def test_cluster_tier_runs_the_dockerfiles_image() -> None:
+    """The cluster tier's driver image is the archive make image writes (built from the
+    Dockerfile), not a second build: images.sh takes IMAGE and ARCHIVE from
+    scripts/build-image.sh, and neither it nor anything else in e2e/cluster installs the
+    project or runs debootstrap.
+    """
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^image:.*\n\t.*scripts/build-image\.sh", makefile, re.M), "make image"
+    images = (CLUSTER_DIR / "images.sh").read_text()
+    assert 'bash "${repo}/scripts/build-image.sh"' in images
+    assert 'DRIVER_IMAGE=${IMAGE}' in images and 'DRIVER_IMAGE_ARCHIVE=${ARCHIVE}' in images
+    assert '--from "${ARCHIVE}"' in images, "the workload image reuses the driver's layers"
+    for path in sorted(CLUSTER_DIR.rglob("*")):
+        if path.is_file() and path.suffix in ("", ".sh", ".py"):
+            text = path.read_text(errors="replace")
+            for word in ("debootstrap --", "--find-links", "pip wheel", "python3 -m venv"):
+                assert word not in text, (
+                    f"{path.relative_to(REPO)} builds a driver image of its own ({word!r})")
+    build = BUILD_IMAGE.read_text()
+    assert "buildah" in build and "bud" in build and "docker-archive:" in build
+    assert "docker.io/library/debian:12-slim" in build, "the base is tagged as FROM names it"
 
 
 def shell_vars(path: Path) -> dict[str, str]:

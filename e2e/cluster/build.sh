@@ -144,7 +144,7 @@ build_helm() {
 }
 
 # Debian packages the test bed runs (containerd, runc, CNI plugins, image tools).
-DEBS=(containerd runc containernetworking-plugins debootstrap catatonit iproute2 conntrack
+DEBS=(containerd runc containernetworking-plugins debootstrap buildah catatonit iproute2 conntrack
   iptables openssl util-linux kmod procps curl)
 build_debs() {
   local missing=()
