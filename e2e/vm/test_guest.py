@@ -1099,6 +1099,9 @@ def test_new_volume_over_unerased_space_reads_zeros(drv: Driver) -> None:
         assert _reads_zeros(drv, vol2.volume_id), "the previous tenant's bytes are visible"
     finally:
         delete(drv, vol2.volume_id)
+    # Its erase and ndctl destroy may still run in the background; stopping the driver
+    # in the middle of the destroy is another test (it leaves ndctl's label half-done).
+    wait_erase_idle()
     drv.stop()
     drv.extra = []
     drv.start()  # scrub auto: the dirty region is cleaned in the background
