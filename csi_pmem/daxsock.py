@@ -287,8 +287,9 @@ class DaxSocketServer:
                     log.warning(
                         "dax socket %s: refused peer pid=%d uid=%d gid=%d: %s; cgroups: %s",
                         job.path, pid, uid, gid, refusal, cgroups or "-")
-                    self._send_error(conn, refusal)
+                    # Counted before the reply: whoever reads the refusal sees it counted.
                     self._count(EVENT_REFUSED, job.path)
+                    self._send_error(conn, refusal)
                     return
             try:
                 fd = job.opener()
@@ -296,9 +297,9 @@ class DaxSocketServer:
                     raise TypeError(f"opener returned {fd!r} instead of a file descriptor")
             except Exception as exc:
                 log.exception("dax socket %s: opening the device failed", job.path)
+                self._count(EVENT_ERROR, job.path)
                 self._send_error(conn, f"the node plugin could not open the volume's device: "
                                        f"{exc}; see the csi-pmem node plugin log")
-                self._count(EVENT_ERROR, job.path)
                 return
             if job.forward is not None:
                 threading.Thread(target=self._forward, args=(conn, fd, job),

@@ -101,24 +101,31 @@ def _torch() -> Any:
 
 class PinnedArena:
     """Pinned host memory for bounce buffers: huge-page anonymous memory registered
-    with CUDA, or ``pin_memory`` where that fails.
+    with CUDA slice by slice, as each slice is first used, or ``pin_memory`` where
+    registration fails.
 
-    Why not ``pin_memory`` alone: it pins 4 KiB pages at about 0.4 s/GiB, 0.15 s for
-    the 512 MiB a loader uses, which a fresh process pays before its first byte moves.
-    Registering transparent-huge-page memory costs about 0.025 s/GiB, a few ms. The
-    kernel zeroes every new page as it is faulted in, at one core's speed (40-90 ms for
-    512 MiB in a fresh process, measured on the H200 host), so the pages are faulted in
-    by several threads at once, each populating its own slice.
+    Why not ``pin_memory``: it pins 4 KiB pages at about 0.4 s/GiB, which a fresh
+    process pays before its first byte moves. Registering transparent-huge-page memory
+    costs about 0.025 s/GiB. Why slice by slice: the kernel zeroes every new page as it
+    is faulted in, and faulting in and registering a whole 96-512 MiB arena up front took
+    19-80 ms on the H200 host, with the copy engine idle. Each slice (one bounce buffer)
+    is faulted in and registered by the memcpy thread that takes it first, so the
+    threads prepare their buffers in parallel and the first copies start after one
+    slice. ``cudaHostRegister`` holds a driver lock that stalls copies issued by other
+    threads (measured: copies fell from 54.7 to 19 GB/s while another thread
+    registered), so the slices are small and registered once per process.
     """
 
-    POPULATE_SLICE = 32 * MiB
-
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, slice_size: int | None = None):
         torch = _torch()
         self.nbytes = nbytes
+        self.slice_size = slice_size or nbytes
         self.kind = "pin_memory"
         self._mapping: mmap.mmap | None = None
         self._cudart: Any = None
+        self._address = 0
+        self._ready: list[bool] = []
+        self.registered: list[int] = []  # offsets of the registered slices
         started = time.monotonic()
         try:
             self.tensor = self._registered(torch, nbytes)
@@ -127,6 +134,7 @@ class PinnedArena:
             log.debug("huge-page pinned buffers unavailable (%s); using pin_memory", exc)
             self.close()
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._ready = [True] * -(-nbytes // self.slice_size)
         self.seconds = time.monotonic() - started
 
     def _registered(self, torch: Any, nbytes: int) -> Any:
@@ -134,38 +142,38 @@ class PinnedArena:
         self._mapping = m
         with contextlib.suppress(OSError, AttributeError):
             m.madvise(mmap.MADV_HUGEPAGE)
-        address = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        if not self._populate(address, nbytes):
-            m.write(bytes(nbytes))  # fault every page in now, not during the copies
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(address, nbytes, HOST_REGISTER_PORTABLE)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister returned {int(err)}")
-        self._cudart, self._address = cudart, address
+        self._address = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        self._cudart = torch.cuda.cudart()
+        self._ready = [False] * -(-nbytes // self.slice_size)
+        self.prepare(0)  # a refusal shows here, before any load relies on the arena
         return torch.frombuffer(m, dtype=torch.uint8)
 
-    def _populate(self, address: int, nbytes: int) -> bool:
-        """MADV_POPULATE_WRITE slice by slice from a few threads (libc through ctypes
-        releases the GIL); False where the kernel has no MADV_POPULATE_WRITE."""
-        lib = libc()
-        step = self.POPULATE_SLICE
-        slices = [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
-
-        def populate(part: tuple[int, int]) -> int:
-            rc = lib.madvise(ctypes.c_void_p(address + part[0]), ctypes.c_size_t(part[1]),
-                              ctypes.c_int(MADV_POPULATE_WRITE))
-            return 0 if rc == 0 else ctypes.get_errno()
-
-        workers = max(1, min(len(slices), os.cpu_count() or 1, 16))
-        with ThreadPoolExecutor(workers, thread_name_prefix="pinned-populate") as pool:
-            errors = set(pool.map(populate, slices))
-        return errors == {0}
+    def prepare(self, index: int) -> None:
+        """Fault in and register slice ``index`` unless done; called by the one thread
+        that holds that slice (a bounce buffer is owned while it is taken)."""
+        if self._ready[index]:
+            return
+        off = index * self.slice_size
+        n = min(self.slice_size, self.nbytes - off)
+        address = self._address + off
+        rc = libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(n),
+                            ctypes.c_int(MADV_POPULATE_WRITE))
+        if rc != 0:  # no MADV_POPULATE_WRITE: fault the slice in by writing it
+            ctypes.memset(address, 0, n)
+        err = self._cudart.cudaHostRegister(address, n, HOST_REGISTER_PORTABLE)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of a {format_size(n)} bounce buffer "
+                               f"returned {int(err)}")
+        self.registered.append(address)
+        self._ready[index] = True
 
     def close(self) -> None:
         self.tensor = None
         if self._cudart is not None:
-            with contextlib.suppress(Exception):
-                self._cudart.cudaHostUnregister(self._address)
+            for address in self.registered:
+                with contextlib.suppress(Exception):
+                    self._cudart.cudaHostUnregister(address)
+            self.registered = []
             self._cudart = None
         if self._mapping is not None:
             with contextlib.suppress(BufferError):
@@ -179,7 +187,7 @@ class _TorchBackend:
     def __init__(self, device: Any, nbuffers: int, buffer_size: int):
         torch = _torch()
         self.device = device
-        self.arena = PinnedArena(nbuffers * buffer_size)
+        self.arena = PinnedArena(nbuffers * buffer_size, buffer_size)
         whole = self.arena.tensor
         self.buffers = [whole[i * buffer_size:(i + 1) * buffer_size] for i in range(nbuffers)]
         self.addresses = [b.data_ptr() for b in self.buffers]
@@ -200,6 +208,7 @@ class _TorchBackend:
         torch.cuda.set_stream(self.stream)
 
     def buffer_address(self, buf: int) -> int:
+        self.arena.prepare(buf)  # the first use of a buffer makes it pinned
         return self.addresses[buf]
 
     def transfer(self, buf: int, chunk: planning.Chunk) -> None:
@@ -320,12 +329,11 @@ def choose_path(mode: str, volume: Volume, loads: int, registered: bool,
     if mode == REGISTERED or registered or (
             auto_register_after is not None and loads >= auto_register_after):
         return REGISTERED, None
-    # auto, a mapping not (yet) worth registering whole. Large pages (devdax, huge
-    # tmpfs, hugetlbfs) pin fast: register piece by piece as the copies go (hybrid).
-    # 4 KiB pages pin at 0.06-0.1 s/GB, slower than bounce buffers move them.
-    if auto_register_after is None or not getattr(volume, "large_pages", False):
-        return BOUNCE, None
-    return HYBRID, None
+    # auto, a mapping not (yet) worth registering whole: bounce buffers. Registering
+    # piece by piece as the copies go (hybrid) lost to them in fresh processes on the
+    # H200 host even on 2 MiB pages (34-40 GB/s against 43-45): registration is serial
+    # at 0.022 s/GB and holds a driver lock that stalls the copies other threads issue.
+    return BOUNCE, None
 
 
 def _unfinished(targets: list[FileTarget]) -> list[FileTarget]:
@@ -414,16 +422,17 @@ def _close_at_exit() -> None:
 class GpuLoader:
     """Loads onto one CUDA device; keep it: buffers, threads and registrations persist.
 
-    Defaults come from fresh processes on an H200 host (16 cores): 16 memcpy threads
-    and 16 x 32 MiB pinned buffers moved a 4 KiB-page mapping fastest (27 GB/s against
-    16 GB/s for 12 x 24 x 16 MiB), registration in 256 MiB pieces without bounce
-    buffers a 2 MiB-page one (33 GB/s); docs/loader-benchmark.md has the runs.
+    Defaults come from fresh processes on an H200 host (16 cores, 13 GB model): 12
+    memcpy threads and 12 x 8 MiB pinned buffers moved a 2 MiB-page mapping at 42.9-44.3
+    GB/s and a 4 KiB-page one at 37.9-39.6 (16 x 32 MiB with 16 threads: 29.0-31.1 and
+    28.3-29.0; registering 256 MiB pieces from the front, the former 2 MiB default:
+    34.2-39.9); docs/loader-benchmark.md has the runs.
     ``last_path`` is the path of the last load; ``registration_refused_reason`` says why
     that load could not use a registered mapping (None when it could).
     """
 
-    def __init__(self, device: str | Any = "cuda", *, buffers: int = 16,
-                 buffer_size: int = 32 * MiB, threads: int = 16, mode: str = AUTO,
+    def __init__(self, device: str | Any = "cuda", *, buffers: int = 12,
+                 buffer_size: int = 8 * MiB, threads: int = 12, mode: str = AUTO,
                  auto_register_after: int | None = 2, node_copy: bool = True,
                  register_step: int = HYBRID_STEP, hybrid_bounce: bool = False):
         torch = _torch()
@@ -695,6 +704,7 @@ class GpuLoader:
 
         def requests() -> Iterator[tuple[int, protocol.CopyRequest]]:
             for i, target in enumerate(targets):
+                t = time.monotonic()
                 try:
                     alloc = nodecopy.ExportableAllocation(self.device.index, target.size)
                 except Exception as exc:  # no cuda-python, an allocation error
@@ -706,14 +716,24 @@ class GpuLoader:
                     raise nodecopy.NodeCopyError(
                         f"the node's GPU copy service cannot reach {alloc.uuid} (it sees "
                         f"{', '.join(session.gpus) or 'no GPU'})")
+                t_alloc = time.monotonic()
+                fds.append(alloc.export_fd())
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("node copy: %s allocated in %.2f ms, exported in %.2f ms, "
+                              "sent at %.1f ms", target.name, (t_alloc - t) * 1e3,
+                              (time.monotonic() - t_alloc) * 1e3,
+                              (time.monotonic() - t0) * 1e3)
+                # The request goes out first, so the copy engine starts while this
+                # process makes the tensor views (no progress is read before every
+                # request is sent, so no tensor is reported before it has its view).
+                yield fds[-1], protocol.CopyRequest(alloc.uuid, alloc.size, tuple(
+                    protocol.Copy(c.pieces[0].src, c.dst, c.nbytes) for c in by_target[i]))
+                t = time.monotonic()
                 # The tensors keep the allocation alive from now on.
                 target.attach(torch.as_tensor(alloc, device=self.device)[:target.size])
                 plan.ready(i)
-                fds.append(alloc.export_fd())
-                log.debug("node copy: %s allocated and exported at %.1f ms", target.name,
-                          (time.monotonic() - t0) * 1e3)
-                yield fds[-1], protocol.CopyRequest(alloc.uuid, alloc.size, tuple(
-                    protocol.Copy(c.pieces[0].src, c.dst, c.nbytes) for c in by_target[i]))
+                log.debug("node copy: %s views made in %.2f ms", target.name,
+                          (time.monotonic() - t) * 1e3)
 
         def progress(k: int) -> None:
             if not reported[0]:
@@ -794,8 +814,10 @@ class GpuLoader:
                 self._backend.targets = []
         if "fatal" in outcome:
             raise outcome["fatal"]
-        log.debug("hybrid load: %d of %d pieces registered and copied by the copy engine",
-                  len(sides.front_pieces), sum(1 for b in by_piece if b))
+        log.debug("hybrid load: %d of %d pieces registered and copied by the copy engine "
+                  "(registration %.1f ms); bounce buffers %s", len(sides.front_pieces),
+                  sum(1 for b in by_piece if b), registration.seconds * 1e3,
+                  "on" if self.hybrid_bounce else "off")
         refused = outcome.get("refused")
         if refused is not None and not sides.front_pieces:
             assert isinstance(refused, RegistrationError)
@@ -846,6 +868,8 @@ class GpuLoader:
                         outcome["refused"] = exc
                         break
                     queue_copies(by_piece[i], buffers, src, stream, pending)
+                    if len(sides.front_pieces) == 1:
+                        log.debug("hybrid load: first piece registered and queued")
                     report_landed(pending, on_done)
             report_landed(pending, on_done, wait=True)
         except BaseException as exc:  # relayed to the load thread, which raises it

@@ -25,11 +25,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from csi_pmem.daxclient import unix_address
+from csi_pmem.gpucopy import cuda as gpucuda
 from csi_pmem.gpucopy import protocol
 from csi_pmem.loader.errors import LoaderError
 from csi_pmem.loader.volume import Volume
 
 log = logging.getLogger(__name__)
+# gpucuda is imported with the loader rather than at the first allocation: importing it
+# took 5 ms in a fresh process, which the first copy request then waited for. It needs
+# no cuda-python until a driver call is made.
 
 ENV = "CSI_PMEM_GPU_COPY"
 
@@ -166,9 +170,9 @@ class ExportableAllocation:
     interface (which keeps this object alive until the tensor is gone)."""
 
     def __init__(self, ordinal: int, nbytes: int):
-        from csi_pmem.gpucopy.cuda import check, driver, grant_access, uuid_text
+        check, grant_access, uuid_text = gpucuda.check, gpucuda.grant_access, gpucuda.uuid_text
 
-        cu = self._cu = driver()
+        cu = self._cu = gpucuda.driver()
         self._check = check
         self.handle = self.ptr = self._dev = None
         check(cu, cu.cuInit(0), "cuInit")
