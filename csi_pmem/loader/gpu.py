@@ -426,7 +426,8 @@ class GpuLoader:
     memcpy threads and 12 x 8 MiB pinned buffers moved a 2 MiB-page mapping at 42.9-44.3
     GB/s and a 4 KiB-page one at 37.9-39.6 (16 x 32 MiB with 16 threads: 29.0-31.1 and
     28.3-29.0; registering 256 MiB pieces from the front, the former 2 MiB default:
-    34.2-39.9); docs/loader-benchmark.md has the runs.
+    15.9 and 34.2, or 31.3-39.9 with bounce buffers from the back); docs/loader-benchmark.md
+    has the runs.
     ``last_path`` is the path of the last load; ``registration_refused_reason`` says why
     that load could not use a registered mapping (None when it could).
     """
