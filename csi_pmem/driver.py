@@ -41,7 +41,7 @@ from csi_pmem.backends.base import Backend, Namespace, Pool
 from csi_pmem.cleanspace import CleanSpace
 from csi_pmem.daxsock import DaxSocketServer
 from csi_pmem.erase import SAMPLED, EraseCancelled, zero_fd
-from csi_pmem.eraser import DELETE, EraseQueue
+from csi_pmem.eraser import DELETE, STOP_TIMEOUT, EraseQueue
 from csi_pmem.errors import (
     Aborted,
     AlreadyExists,
@@ -399,7 +399,7 @@ class Driver:
             if resumed:
                 log.warning("finished interrupted deletion of %s (%s)", rec.id, rec.name)
 
-        if self._erases(rec) and self.backend.get(rec.id) is not None:
+        if self._erases(rec) and not rec.erased and self.backend.get(rec.id) is not None:
             self.eraser.submit(rec.id, DELETE, rec.pool, rec.size, finish)
         else:
             finish()
@@ -408,8 +408,12 @@ class Driver:
                        cancel: threading.Event | None = None) -> None:
         ns = self.backend.get(rec.id)
         erase = self._erases(rec)
-        if ns is not None and erase:
+        if ns is not None and erase and not rec.erased:
             self._erase(ns, cancel)
+            # Write-ahead for the destroy: a stop or crash from here on resumes with the
+            # destroy alone (csi_pmem.state.VolumeRecord.erased).
+            rec.erased = True
+            self.store.put(rec)
         failpoints.hit(failpoints.DELETE_AFTER_ERASE)
         if ns is not None:
             with self.node_lock:
@@ -629,10 +633,42 @@ class Driver:
                         "node; it is not touched (delete it by hand if it is not needed)", name)
         self.scrubber.schedule_dirty()
 
-    def close(self) -> None:
-        self.eraser.close()  # running erases stop; their DELETING records resume them
+    def close(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop within ``timeout`` seconds without leaving a namespace half-written.
+
+        Running erases stop at their next chunk; a destroy already under way runs to its
+        end (the eraser waits for it). Then the node lock is taken and kept: a namespace
+        create or destroy of an RPC that gRPC's grace period left running ends first,
+        and none starts after this returns, so the process never exits in the middle of
+        ndctl writing labels. What is left unfinished is in the state store, which the
+        next start resumes; the log says what that will be.
+        """
+        deadline = time.monotonic() + timeout
+        unfinished = self.eraser.jobs()
+        stuck = self.eraser.close(timeout)
+        if not self.node_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            log.error("stopping while a namespace create or destroy still runs after "
+                      "%.0f s; the next start finishes or rolls it back from its record",
+                      timeout)
+        for job in unfinished:
+            self._report_unfinished(job.key, job.kind, job in stuck)
         self.dax.close()
         self.backend.close()
+
+    def _report_unfinished(self, key: str, kind: str, running: bool) -> None:
+        """Say what the next start resumes of a job that close() cut short."""
+        still = " (still running at the stop)" if running else ""
+        if kind == DELETE:
+            rec = self.store.get(key)
+            if rec is None or rec.state != DELETING:
+                return  # it finished after all
+            log.warning("stopping with the deletion of %s (%s) unfinished%s; the next start "
+                        "%s", rec.id, rec.name, still,
+                        "destroys its namespace (its erase was verified)" if rec.erased
+                        else "erases it from the start and then destroys it")
+        else:
+            log.info("stopping with scrub %s unfinished%s; the next start destroys any "
+                     "scratch namespaces it left and scrubs the region again", key, still)
 
 
 __all__ = [

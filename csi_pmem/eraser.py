@@ -14,6 +14,13 @@ give way to a CreateVolume); it owns its own crash safety. A job that fails is r
 with a growing delay: its space stays unavailable rather than being released unerased.
 Each job has a key (the volume id, or ``scrub:<region>``); submitting a key that is
 queued or running returns that job, so a retried DeleteVolume queues nothing twice.
+
+Stopping (:meth:`EraseQueue.close`) cancels every job and waits, within a bound, for
+the running ones to reach a safe point: an erase stops at its next chunk, a namespace
+create or destroy already started runs to its end (cutting ndctl off in the middle of
+writing labels is what leaks a label slot). What a job leaves unfinished is in its
+intent in the state store (a volume's DELETING record, a scrub's scratch names), which
+the next start resumes.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ log = logging.getLogger(__name__)
 
 DELETE, SCRUB = "delete", "scrub"
 RETRY_FIRST, RETRY_MAX = 5.0, 600.0  # seconds between attempts of a failed job
+# How long close() waits for running jobs: within Kubernetes' default 30 s grace period
+# after gRPC's own 5 s, and well above one ndctl destroy (about 1 s even under TCG).
+STOP_TIMEOUT = 20.0
 
 
 @dataclass
@@ -180,11 +190,14 @@ class EraseQueue:
             timer.start()
 
     # ------------------------------------------------------------------ stop
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop: running jobs are cancelled (their intents resume them on restart)."""
+    def close(self, timeout: float = STOP_TIMEOUT) -> list[Job]:
+        """Stop: cancel every job and wait up to ``timeout`` seconds for the running
+        ones to stop at a safe point (see the module docstring). Returns the jobs still
+        running at the timeout; their intents in the state store resume them at the
+        next start."""
         with self._cond:
             if self._closed:
-                return
+                return []
             self._closed = True
             jobs = list(self._jobs.values())
             timers, self._timers = self._timers, []
@@ -197,3 +210,5 @@ class EraseQueue:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            return [j for j in jobs if j.running]

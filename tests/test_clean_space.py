@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -360,3 +361,52 @@ def test_a_cancelled_job_waiting_in_the_queue_or_for_a_retry_is_done_at_once(mon
         assert retrying.done.is_set() and q.jobs() == []
     finally:
         q.close()
+
+
+# ------------------------------------------------------------------ stopping and resuming
+def test_close_waits_for_a_namespace_destroy_in_flight(drivers, monkeypatch):
+    """A destroy under way (here a DeleteVolume's, which gRPC's grace period may leave
+    running) ends before close() returns, and none starts after it."""
+    d = drivers(scrub=False)
+    vol = d.create_volume("a", 64 * MiB, 0, params(eraseOnDelete="false"))
+    inside, done = threading.Event(), threading.Event()
+    real = d.backend.destroy
+
+    def slow(name):
+        inside.set()
+        threading.Event().wait(0.5)  # an ndctl destroy takes about this long
+        real(name)
+        done.set()
+
+    monkeypatch.setattr(d.backend, "destroy", slow)
+    deleting = threading.Thread(target=d.delete_volume, args=(vol.id,))
+    deleting.start()
+    assert inside.wait(10)
+    d.close(timeout=10)
+    assert done.is_set(), "close() returned while a destroy was running"
+    deleting.join(10)
+    assert d.store.get(vol.id) is None
+    assert not d.node_lock.acquire(blocking=False), "a create or destroy could start now"
+
+
+def test_close_gives_up_within_its_bound_and_says_what_resumes(drivers, monkeypatch, caplog):
+    d = drivers(scrub=False)
+    vol = d.create_volume("a", 64 * MiB, 0, params())
+    erases = Erases(d, monkeypatch)
+    erases.hold.clear()
+
+    def deaf(ns, cancel=None):  # an erase that does not look at its cancel event
+        erases.started.set()
+        erases.hold.wait(30)
+        raise EraseCancelled("test")
+
+    monkeypatch.setattr(d, "_erase", deaf)
+    d.delete_volume(vol.id)
+    assert erases.started.wait(10)
+    t = time.monotonic()
+    d.close(timeout=1)
+    assert time.monotonic() - t < 5
+    erases.hold.set()
+    assert f"stopping with the deletion of {vol.id} (a) unfinished (still running at the " \
+        "stop); the next start erases it from the start" in caplog.text
+    assert d.store.get(vol.id).state == "deleting"

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from csi_pmem import failpoints
 from csi_pmem.backends.base import (
     REASON_DISABLED,
     REASON_LABEL_LESS,
@@ -825,7 +826,9 @@ class NdctlBackend(Backend):
         if active:
             steps.append([self._ndctl, "disable-namespace", handle])
         steps.append([self._ndctl, "destroy-namespace", handle, "--force"])
-        for argv in steps:
+        for i, argv in enumerate(steps):
+            if i:
+                failpoints.hit(failpoints.DESTROY_MID)
             try:
                 self._runner.run(argv, timeout=self._timeout)
             except CommandError as e:
