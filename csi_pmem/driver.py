@@ -393,13 +393,18 @@ class Driver:
 
     def _continue_delete(self, rec: VolumeRecord, resumed: bool = False) -> None:
         """After the DELETING record: queue the erase (its job destroys the namespace
-        when the erase is verified), or destroy now when there is nothing to erase."""
+        when the erase is verified), or destroy now when there is nothing to erase.
+
+        A delete resumed at start-up always goes through the queue, erase or not: the
+        queue retries a failed job, and nothing else would (the CO got its answer long
+        ago), so a transient ndctl failure at start-up must not strand the volume."""
         def finish(cancel: threading.Event | None = None) -> None:
             self._finish_delete(rec, cancel)
             if resumed:
                 log.warning("finished interrupted deletion of %s (%s)", rec.id, rec.name)
 
-        if self._erases(rec) and not rec.erased and self.backend.get(rec.id) is not None:
+        if resumed or self.eraser.get(rec.id) is not None or (
+                self._erases(rec) and not rec.erased and self.backend.get(rec.id) is not None):
             self.eraser.submit(rec.id, DELETE, rec.pool, rec.size, finish)
         else:
             finish()

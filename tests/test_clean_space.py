@@ -410,3 +410,39 @@ def test_close_gives_up_within_its_bound_and_says_what_resumes(drivers, monkeypa
     assert f"stopping with the deletion of {vol.id} (a) unfinished (still running at the " \
         "stop); the next start erases it from the start" in caplog.text
     assert d.store.get(vol.id).state == "deleting"
+
+
+@pytest.mark.parametrize("erase", ["true", "false"])
+def test_a_resumed_delete_whose_first_attempt_fails_is_retried(tmp_path, monkeypatch, erase):
+    """A DELETING record found at start-up goes through the queue, which retries it: a
+    transient ndctl failure there (a listing, a destroy) must not strand the volume
+    until the next restart."""
+    monkeypatch.setattr("csi_pmem.eraser.RETRY_FIRST", 0.05)
+    d = make_driver(tmp_path, scrub=False)
+    vol = d.create_volume("a", 64 * MiB, 0, params(eraseOnDelete=erase))
+    d.close()
+    rec = d.store.get(vol.id)
+    rec.state = "deleting"  # as a crash right after DeleteVolume's intent leaves it
+    d.store.put(rec)
+
+    backend = EmulatedBackend(tmp_path / "pools", {0: REGION}, free_space="reuse")
+    failures = []
+    real_get = backend.get
+
+    def flaky_get(name):
+        if name == vol.id and not failures:
+            failures.append(name)
+            raise BackendError("ndctl list failed: exit 1 (transient)")
+        return real_get(name)
+
+    monkeypatch.setattr(backend, "get", flaky_get)
+    d = Driver(DriverConfig(driver_name="csi-pmem.test", node_id="n",
+                            kubelet_dir=str(tmp_path), erase_threads=2, scrub=False),
+               backend, StateStore(tmp_path / "state"), DaxSocketServer())
+    try:
+        d.reconcile()
+        eventually(lambda: d.store.get(vol.id) is None, "the retried resume")
+        assert failures == [vol.id], "the failure this test is about never happened"
+        assert backend.get(vol.id) is None
+    finally:
+        d.close()
