@@ -434,7 +434,8 @@ class Driver:
         self.store.delete(rec.id)
         log.info("deleted volume %s (%s)", rec.id, rec.name)
         if ns is not None and not erase:
-            self.scrubber.schedule(ns.pool)
+            # A scrub running now may be past this space already: it runs once more.
+            self.scrubber.schedule(ns.pool, rerun=True)
 
     def _erase(self, ns: Namespace, cancel: threading.Event | None = None) -> None:
         from csi_pmem.loader.numa import node_cpus  # the loader's, imported when needed

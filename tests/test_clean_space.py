@@ -446,3 +446,29 @@ def test_a_resumed_delete_whose_first_attempt_fails_is_retried(tmp_path, monkeyp
         assert backend.get(vol.id) is None
     finally:
         d.close()
+
+
+def test_an_unerased_delete_during_a_scrub_gets_the_region_scrubbed_again(drivers,
+                                                                          monkeypatch):
+    """The running scrub covered the free space it found at its start; a delete without
+    erase meanwhile frees unerased space it never saw. The region must not be called
+    clean then, and must be scrubbed again without waiting for the next create."""
+    d = drivers(scrub=False)
+    vol = d.create_volume("a", 64 * MiB, 0, params(eraseOnDelete="false"))
+    write_pattern(d, vol.id)
+    erases = Erases(d, monkeypatch, held="csi-pmem-scrub-")
+    erases.hold.clear()
+    d.scrubber.enabled = True
+    d.scrubber.schedule("region0")
+    assert erases.started.wait(10)
+    d.delete_volume(vol.id)  # during the scrub: the old bytes are now free space
+    assert not d.ledger.is_clean("region0")
+    scrubs_before = sum(n.startswith("csi-pmem-scrub-") for n in erases.calls)
+    erases.hold.set()
+    eventually(lambda: d.ledger.is_clean("region0") and not d.eraser.jobs(),
+               "a second scrub over the freed space")
+    assert sum(n.startswith("csi-pmem-scrub-") for n in erases.calls) > scrubs_before
+    erases.calls.clear()
+    again = d.create_volume("b", 64 * MiB, 0, params())
+    assert erases.calls == [], "a clean region zeroed on create"
+    assert first_and_last(d, again.id) == [bytes(BLOCK)] * 2, "the old bytes were handed out"
