@@ -1200,6 +1200,32 @@ def test_sigkill_between_ndctl_disable_and_destroy_resumes_the_destroy(drv: Driv
     assert region_record(drv, _region_of("1"))["clean"]
 
 
+def test_ndctl_share_of_create_and_delete(drv: Driver) -> None:
+    """Issue 17 item 4: how much of CreateVolume and DeleteVolume is ndctl and how much
+    the driver's own work, on real regions (bench_provision.ndctl_share, in-process on
+    the session driver's state while that driver is stopped)."""
+    import importlib.util
+
+    wait_erase_idle()
+    assert region_record(drv, _region_of("0"))["clean"]
+    spec = importlib.util.spec_from_file_location(
+        "bench_provision", REPO / "benchmarks" / "bench_provision.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    drv.stop()
+    try:
+        share = bench.ndctl_share(drv.state, 64 * MiB, reps=5, numa="0")
+    finally:
+        drv.start()
+    FACTS["ndctl_share_64Mi"] = share
+    print("share of the driver's time in ndctl, 64Mi, guest under TCG:")
+    bench.print_share(share, "ndctl")
+    assert share["zeroed_creates"] == 0, "the region was dirty: the creates zeroed"
+    for op in ("CreateVolume", "DeleteVolume"):
+        assert share[op]["execs"] >= 1 and share[op]["backend_ms"] > 0, share
+
+
 DENIED_CHILD = r"""
 import json, mmap, os, sys
 from csi_pmem.daxclient import open_volume
