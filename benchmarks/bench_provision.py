@@ -64,6 +64,7 @@ from bench_driver import ERASE_OFF, ERASE_ON, Tracker, cleanup, log, machine  # 
 
 from csi_pmem import erase  # noqa: E402
 from csi_pmem.erase import DEFAULT_CHUNK, default_threads, zero_fd  # noqa: E402
+from csi_pmem.runner import Runner  # noqa: E402
 from csi_pmem.sizes import REGION_ALIGN, allocation_for, format_bytes, parse_quantity  # noqa: E402
 
 GiB = 1 << 30
@@ -220,27 +221,20 @@ def share(pool_dir: Path, size: int, reps: int) -> dict:
                         scrub=True)
 
 
-class TimedRunner:
-    """csi_pmem.runner.Runner that adds up the wall time and count of the commands."""
+class TimedRunner(Runner):
+    """The driver's runner, adding up the wall time and count of the commands."""
 
     def __init__(self) -> None:
-        from csi_pmem.runner import Runner
-
-        self._inner, self.seconds, self.calls = Runner(), 0.0, 0
+        super().__init__()
+        self.seconds, self.calls = 0.0, 0
 
     def run(self, argv, timeout=60.0, check=True, input=None):
         t0 = time.perf_counter()
         try:
-            return self._inner.run(argv, timeout=timeout, check=check, input=input)
+            return super().run(argv, timeout=timeout, check=check, input=input)
         finally:
             self.seconds += time.perf_counter() - t0
             self.calls += 1
-
-    def run_json(self, argv, timeout=60.0):
-        from csi_pmem.runner import parse_json_output
-
-        result = self.run(argv, timeout=timeout)
-        return parse_json_output(list(argv), result.stdout, result.stderr)
 
 
 def ndctl_share(state_dir: Path, size: int, reps: int, numa: str = "0") -> dict:
