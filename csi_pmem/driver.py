@@ -430,12 +430,28 @@ class Driver:
                                            "deleted without an erase (eraseOnDelete: false)")
                     failpoints.hit(failpoints.DELETE_AFTER_DIRTY)
                 self.backend.destroy(rec.id)
+        else:
+            self._destroy_leftover(rec, erase)
         failpoints.hit(failpoints.DELETE_AFTER_DESTROY)
         self.store.delete(rec.id)
         log.info("deleted volume %s (%s)", rec.id, rec.name)
         if ns is not None and not erase:
             # A scrub running now may be past this space already: it runs once more.
             self.scrubber.schedule(ns.pool, rerun=True)
+
+    def _destroy_leftover(self, rec: VolumeRecord, erase: bool) -> None:
+        """No volume namespace of ``rec`` is listed, but a destroy cut short after
+        ndctl's disable-namespace leaves one that the kernel then lists as a disabled
+        raw namespace with the volume's name, holding its label slot and its space. The
+        back end's destroy removes it (and does nothing if there is none). The ledger
+        is told first: an erased one keeps the region clean, any other makes it dirty."""
+        with self.node_lock:
+            if erase and rec.erased:
+                self.ledger.expect_freed(rec.pool, rec.size)
+            else:
+                self.ledger.mark_dirty(rec.pool, f"volume {rec.id} ({rec.name}) left a "
+                                       "namespace that was not erased")
+            self.backend.destroy(rec.id)
 
     def _erase(self, ns: Namespace, cancel: threading.Event | None = None) -> None:
         from csi_pmem.loader.numa import node_cpus  # the loader's, imported when needed
@@ -472,10 +488,13 @@ class Driver:
         """
         if rec.state == CREATING:
             ns = self.backend.get(rec.id)
-            if ns is not None:
-                with self.node_lock:
+            with self.node_lock:
+                if ns is not None:
                     self.ledger.expect_freed(ns.pool, ns.size)  # never handed out
-                    self.backend.destroy(rec.id)
+                # Also without a listed volume: a create killed inside ndctl can leave a
+                # raw namespace with the name, which the destroy removes (its freed
+                # space then makes the region dirty, the safe side).
+                self.backend.destroy(rec.id)
             self.store.delete(rec.id)
             log.warning("rolled back interrupted creation of %s (%s)", rec.id, rec.name)
         elif rec.state == DELETING:

@@ -996,3 +996,45 @@ def test_reads_share_one_listing_until_invalidated(sysroot):
     b0.pools()
     b0.pools()
     assert runner.calls == [LIST_ARGV] * 4  # no cache: every read lists
+
+
+# ----------------------------------------------------- a destroy cut short, resumed
+def test_resumed_delete_destroys_the_raw_leftover_of_a_destroy_cut_short(sysroot, tmp_path):
+    """Killed between disable-namespace and destroy-namespace, the namespace keeps its
+    name and label but the kernel lists it as a disabled raw namespace (its dax claim is
+    gone; seen in the VM tier), which is no volume namespace. The resumed delete must
+    still destroy it: it used to drop the record and leak the namespace and its label."""
+    from csi_pmem.daxsock import DaxSocketServer
+    from csi_pmem.driver import Driver, DriverConfig, volume_id_for
+    from csi_pmem.state import DELETING, RegionRecord, StateStore, VolumeRecord
+
+    vid = volume_id_for("victim")
+    before = load("list_namespaces")
+    for region in before["regions"]:
+        for ns in region.get("namespaces") or []:
+            if ns["dev"] == "namespace0.3":  # disabled, as disable-namespace leaves it
+                ns.update(mode="raw", name=vid)
+                ns.pop("map", None)
+                ns.pop("align", None)
+    runner = FakeRunner(before, before, destroyed(before, "namespace0.3"))
+    b = backend(runner, sysroot("namespaces"))
+    assert b.get(vid) is None, "the premise: the leftover is no volume namespace"
+    store = StateStore(tmp_path / "state")
+    for region in before["regions"]:  # clean, expecting the free space it shows
+        store.put_region(RegionRecord(pool=region["dev"], clean=True,
+                                      free=region["available_size"]))
+    store.put(VolumeRecord(id=vid, name="victim", state=DELETING, params={},
+                           required_bytes=64 * MiB, pool="region0", size=80 * MiB,
+                           erased=True))
+    d = Driver(DriverConfig(driver_name="csi-pmem.test", node_id="n",
+                            kubelet_dir=str(tmp_path), scrub=False),
+               b, store, DaxSocketServer())
+    try:
+        d.reconcile()
+        assert d.eraser.wait(vid, 10)
+    finally:
+        d.close()
+    assert ["ndctl", "destroy-namespace", "namespace0.3", "--force"] in runner.writes()
+    assert ["ndctl", "disable-namespace", "namespace0.3"] not in runner.writes()
+    assert store.get(vid) is None
+    assert store.get_region("region0").clean, "an erased leftover dirtied the region"
