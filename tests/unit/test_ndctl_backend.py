@@ -59,6 +59,7 @@ class FakeRunner:
         self.listings = [copy.deepcopy(x) for x in listings]
         self.create = create
         self.fail: dict[str, BaseException] = {}
+        self.said: dict[str, str] = {}  # a subcommand's stderr on success
         self.calls: list[list[str]] = []
         self.timeouts: list[float] = []
 
@@ -83,7 +84,7 @@ class FakeRunner:
         err = self.fail.get(argv[1])
         if err is not None:
             raise err
-        return subprocess.CompletedProcess(argv, 0, "", "")
+        return subprocess.CompletedProcess(argv, 0, "", self.said.get(argv[1], ""))
 
     def writes(self) -> list[list[str]]:
         return [c for c in self.calls if c[1] != "list"]
@@ -711,6 +712,22 @@ def test_destroy_disables_then_destroys_by_handle(sysroot):
     assert runner.writes() == [["ndctl", "disable-namespace", "namespace0.0"],
                                ["ndctl", "destroy-namespace", "namespace0.0", "--force"]]
     assert set(runner.timeouts) == {120}
+
+
+def test_destroy_confirmed_by_ndctl_needs_no_second_listing(sysroot):
+    """ndctl prints "destroyed 1 namespace" (ndctl/namespace.c): then the listing that
+    checks the namespace is gone is one exec too many."""
+    before = load("list_namespaces")
+    runner = FakeRunner(before, before)  # a second listing would still show it
+    runner.said = {"disable-namespace": "disabled 1 namespace\n",
+                   "destroy-namespace": "destroyed 1 namespace\n"}
+    backend(runner, sysroot("namespaces")).destroy("pvc-7a3b1c9d2e")
+    assert runner.calls == [LIST_ARGV, ["ndctl", "disable-namespace", "namespace0.0"],
+                            ["ndctl", "destroy-namespace", "namespace0.0", "--force"]]
+    runner = FakeRunner(before, before)
+    runner.said = {"destroy-namespace": "destroyed 0 namespaces\n"}
+    with pytest.raises(BackendError, match="still present"):
+        backend(runner, sysroot("namespaces")).destroy("pvc-7a3b1c9d2e")
 
 
 def test_destroy_of_a_disabled_namespace_skips_disable(sysroot):
