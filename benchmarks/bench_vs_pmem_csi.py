@@ -14,7 +14,9 @@ Each driver gets the NVDIMMs to itself in turn (pmem-csi first, direct mode; the
 ``csi-pmem serve --backend ndctl``, after its first-start scrub). For each: the time
 from exec to a ready Probe, then ``--pairs`` CreateVolume/DeleteVolume pairs of
 ``--size`` (mount capability, no parameters: both erase on delete by default) after
-one warm-up pair, client-side wall time. Prints a table and writes ``vs-pmem-csi.json``
+one warm-up pair, client-side wall time, each pair followed by GetCapacity polls until
+the space is back (csi-pmem's DeleteVolume returns once its erase is done or after
+``--delete-wait-seconds``, and destroys the namespace in the background). Prints a table and writes ``vs-pmem-csi.json``
 to ``$E2E_VM_OUT``. A benchmark, not a test: it is not part of any make target.
 
 Building pmem-csi v1.1.0 (its module is on the Go module proxy; Go 1.23, since newer
@@ -102,8 +104,16 @@ class Plugin:
                 self.proc.wait(30)
         self.channel.close()
 
+    def capacity(self) -> int:
+        return self.controller.GetCapacity(csi_pb2.GetCapacityRequest(
+            volume_capabilities=[mount_cap()]), timeout=600).available_capacity
+
     def pairs(self, size: int, n: int, params: dict[str, str]) -> dict:
-        create, delete = [], []
+        """CreateVolume, DeleteVolume, then GetCapacity until the space is back (csi-pmem
+        erases and destroys in the background after DeleteVolume returns, and the next
+        create would otherwise wait for that destroy's node lock)."""
+        create, delete, back = [], [], []
+        full = self.capacity()
         for i in range(n + 1):  # the first pair warms up
             t0 = time.perf_counter()
             vol = self.controller.CreateVolume(csi_pb2.CreateVolumeRequest(
@@ -114,13 +124,19 @@ class Plugin:
             self.controller.DeleteVolume(csi_pb2.DeleteVolumeRequest(
                 volume_id=vol.volume_id), timeout=600)
             t2 = time.perf_counter()
+            while self.capacity() < full:
+                time.sleep(0.05)
+            t3 = time.perf_counter()
             if i:
                 create.append(t1 - t0)
                 delete.append(t2 - t1)
+                back.append(t3 - t1)
         return {"create_ms": [round(x * 1000, 1) for x in create],
                 "delete_ms": [round(x * 1000, 1) for x in delete],
+                "space_back_ms": [round(x * 1000, 1) for x in back],
                 "create_p50_ms": statistics.median(create) * 1000,
                 "delete_p50_ms": statistics.median(delete) * 1000,
+                "space_back_p50_ms": statistics.median(back) * 1000,
                 "capacity_bytes": vol.capacity_bytes}
 
 
@@ -185,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'op (median)':<24} {'pmem-csi':>10} {'csi-pmem':>10} {'ratio':>7}")
     for label, key, unit in (("CreateVolume", "create_p50_ms", "ms"),
                              ("DeleteVolume (erase on)", "delete_p50_ms", "ms"),
+                             ("Delete to space back", "space_back_p50_ms", "ms"),
                              ("start-up to ready Probe", "startup_s", "s")):
         print(f"{label:<24} {theirs[key]:>8.0f}{unit:>2} {ours[key]:>8.0f}{unit:>2} "
               f"{ours[key] / theirs[key]:>6.2f}x")
