@@ -40,16 +40,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import math
 import os
 import re
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from csi_pmem import failpoints
 from csi_pmem.backends.base import (
@@ -315,6 +316,22 @@ _FAILURES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
 def classify(stderr: str) -> str | None:
     """Name the known ndctl failure in ``stderr`` (None if it is not a known one)."""
     return next((kind for kind, pattern in _FAILURES if pattern.search(stderr)), None)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _writes(method: _F) -> _F:
+    """A namespace write drops the cached listing when it ends: the one cached while it
+    ran (its own lookup, or a concurrent GetCapacity's) shows the region as it was
+    before, and would hide the change for up to ``cache_seconds``."""
+    @functools.wraps(method)
+    def wrapper(self: NdctlBackend, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.invalidate()
+    return cast(_F, wrapper)
 
 
 # -------------------------------------------------------------------- the backend
@@ -604,6 +621,7 @@ class NdctlBackend(Backend):
         return estimate
 
     # -- create ---------------------------------------------------------------------
+    @_writes
     def create(self, name: str, pool: str, size: int, align: int,
                mode: str = "devdax") -> Namespace:
         """Carve a ``mode`` namespace; both modes keep their struct pages on the device.
@@ -638,6 +656,7 @@ class NdctlBackend(Backend):
             raise self._translate(e, target, size, align, name, mode) from e
         return self._created(out, name, target, size, align, mode)
 
+    @_writes
     def create_scratch(self, name: str, pool: str, size: int) -> Namespace:
         """A raw namespace over ``size`` bytes (see the Backend contract): no info block
         and no struct pages, so its block device ``/dev/pmemX.Y`` covers every byte and
@@ -800,6 +819,7 @@ class NdctlBackend(Backend):
         return err
 
     # -- destroy --------------------------------------------------------------------
+    @_writes
     def destroy(self, name: str) -> None:
         """Remove every configured devdax, fsdax or raw namespace named ``name``; none is fine.
 

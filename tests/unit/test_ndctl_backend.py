@@ -730,6 +730,27 @@ def test_destroy_confirmed_by_ndctl_needs_no_second_listing(sysroot):
         backend(runner, sysroot("namespaces")).destroy("pvc-7a3b1c9d2e")
 
 
+def test_reads_after_a_write_list_afresh(sysroot):
+    """The listing cached during a destroy or create predates it: the next read (a
+    GetCapacity right after) must list again, not show the old free space."""
+    before = load("list_namespaces")
+    after = destroyed(before, "namespace0.0")
+
+    class ReadDuringDestroy(FakeRunner):
+        def run(self, argv, *args, **kwargs):
+            if argv[1] == "destroy-namespace":
+                b.pools()  # a GetCapacity while ndctl destroys: lists the old state
+            return super().run(argv, *args, **kwargs)
+
+    runner = ReadDuringDestroy(before, before, after)
+    runner.said = {"destroy-namespace": "destroyed 1 namespace\n"}
+    b = backend(runner, sysroot("namespaces"))
+    b.destroy("pvc-7a3b1c9d2e")
+    assert "pvc-7a3b1c9d2e" not in [ns.name for ns in b.namespaces()], \
+        "a read right after the destroy showed the listing from before it"
+    assert runner.calls.count(LIST_ARGV) == 3
+
+
 def test_destroy_of_a_disabled_namespace_skips_disable(sysroot):
     before = load("list_namespaces")
     runner = FakeRunner(before, destroyed(before, "namespace0.3"))
