@@ -16,8 +16,9 @@ from exec to a ready Probe, then ``--pairs`` CreateVolume/DeleteVolume pairs of
 ``--size`` (mount capability, no parameters: both erase on delete by default) after
 one warm-up pair, client-side wall time, each pair followed by GetCapacity polls until
 the space is back (csi-pmem's DeleteVolume returns once its erase is done or after
-``--delete-wait-seconds``, and destroys the namespace in the background). Prints a table and writes ``vs-pmem-csi.json``
-to ``$E2E_VM_OUT``. A benchmark, not a test: it is not part of any make target.
+``--delete-wait-seconds``, and destroys the namespace in the background). Prints a
+table and writes ``vs-pmem-csi.json`` to ``$E2E_VM_OUT``. A benchmark, not a test: it
+is not part of any make target.
 
 Building pmem-csi v1.1.0 (its module is on the Go module proxy; Go 1.23, since newer
 Go refuses its cgo aliases; cgo needs libndctl-dev and libdaxctl-dev; its go.mod has
