@@ -26,8 +26,16 @@ destroyed namespace's bytes are handed out again, as on persistent memory):
                timed: how much of each call is the back end (on ndctl: the ndctl
                execs) and how much is the driver's own work
 
+``--ndctl-share STATE_DIR`` measures only the share, on real regions through ndctl (the
+VM tier runs it in the guest, e2e/vm/test_guest.py): the ndctl execs are timed in the
+runner, so "ndctl" is the commands' wall time and "ours" is everything else but the
+erase (parsing, records and their fsyncs, the ledger). STATE_DIR is a stopped driver's
+state directory, so that its regions' clean records apply; never run it next to a
+running driver.
+
 Usage: benchmarks/bench_provision.py [--sizes 64Mi,1Gi,8Gi] [--reps 5] [--pool-dir /dev/shm]
                                      [--json] [--quick]
+       benchmarks/bench_provision.py --ndctl-share STATE_DIR [--sizes 64Mi] [--reps 5]
 Needs about the largest size times 1.2 of free tmpfs space.
 """
 
@@ -56,6 +64,7 @@ from bench_driver import ERASE_OFF, ERASE_ON, Tracker, cleanup, log, machine  # 
 
 from csi_pmem import erase  # noqa: E402
 from csi_pmem.erase import DEFAULT_CHUNK, default_threads, zero_fd  # noqa: E402
+from csi_pmem.runner import Runner  # noqa: E402
 from csi_pmem.sizes import REGION_ALIGN, allocation_for, format_bytes, parse_quantity  # noqa: E402
 
 GiB = 1 << 30
@@ -203,45 +212,94 @@ class TimedBackend:
 def share(pool_dir: Path, size: int, reps: int) -> dict:
     """In-process Driver over a timed emulated back end (clean region, erase on)."""
     from csi_pmem.backends.emulated import EmulatedBackend
+
+    with tempfile.TemporaryDirectory(dir=pool_dir) as base:
+        inner = EmulatedBackend(Path(base) / "pools", {0: region_bytes(size)},
+                                free_space="reuse")
+        backend = TimedBackend(inner)
+        return share_on(backend, backend, Path(base) / "state", size, reps, {"numaNode": "0"},
+                        scrub=True)
+
+
+class TimedRunner(Runner):
+    """The driver's runner, adding up the wall time and count of the commands."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds, self.calls = 0.0, 0
+
+    def run(self, argv, timeout=60.0, check=True, input=None):
+        t0 = time.perf_counter()
+        try:
+            return super().run(argv, timeout=timeout, check=check, input=input)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+
+def ndctl_share(state_dir: Path, size: int, reps: int, numa: str = "0") -> dict:
+    """The share on real regions through ndctl (see the module docstring)."""
+    from csi_pmem.backends.ndctl import NdctlBackend
+
+    runner = TimedRunner()
+    backend = NdctlBackend(runner=runner)
+    return share_on(backend, runner, state_dir, size, reps, {"numaNode": numa}, scrub=False)
+
+
+def share_on(backend, timer, state_dir: Path, size: int, reps: int, params: dict,
+             scrub: bool) -> dict:
+    """CreateVolume then DeleteVolume (waiting for its erase), ``reps`` times after one
+    warm-up: the call's wall time, ``timer.seconds`` (the back end, or ndctl) and the
+    erase, per call (medians)."""
     from csi_pmem.daxsock import DaxSocketServer
     from csi_pmem.driver import Driver as Core
     from csi_pmem.driver import DriverConfig
     from csi_pmem.params import parse
     from csi_pmem.state import StateStore
 
-    with tempfile.TemporaryDirectory(dir=pool_dir) as base:
-        inner = EmulatedBackend(Path(base) / "pools", {0: region_bytes(size)},
-                                free_space="reuse")
-        backend = TimedBackend(inner)
-        core = Core(DriverConfig("bench", "n", base, delete_wait=600), backend,
-                    StateStore(Path(base) / "state"), DaxSocketServer())
-        erased = [0.0]
-        core.on_erase = lambda nbytes, seconds: erased.__setitem__(0, erased[0] + seconds)
-        try:
-            core.reconcile()
-            wait_for(lambda: core.ledger.is_clean("region0"), "the start-up scrub")
-            params = parse({"numaNode": "0"})
-            rows = {"CreateVolume": [], "DeleteVolume": []}
-            for i in range(reps + 1):
-                for op in rows:
-                    backend.seconds = erased[0] = 0.0
-                    t0 = time.perf_counter()
-                    if op == "CreateVolume":
-                        rec = core.create_volume(f"share-{i}", size, 0, params)
-                    else:
-                        core.delete_volume(rec.id)  # waits for the erase (delete_wait)
-                    total = time.perf_counter() - t0
-                    if i:
-                        rows[op].append((total, backend.seconds, erased[0]))
-            out = {}
-            for op, samples in rows.items():
-                total, back, erase = (statistics.median(x[k] for x in samples) * 1000
-                                      for k in range(3))
-                out[op] = {"total_ms": total, "backend_ms": back, "erase_ms": erase,
-                           "ours_ms": total - back - erase}
-            return out
-        finally:
-            core.close()
+    store = StateStore(state_dir)
+    core = Core(DriverConfig("bench", "n", str(state_dir), delete_wait=600, scrub=scrub),
+                backend, store, DaxSocketServer())
+    erased = [0.0]
+    core.on_erase = lambda nbytes, seconds: erased.__setitem__(0, erased[0] + seconds)
+    try:
+        core.reconcile()
+        pools = [p.name for p in backend.pools()
+                 if params.get("numaNode") in (None, str(p.numa_node))]
+        if scrub:
+            wait_for(lambda: all(core.ledger.is_clean(p) for p in pools), "a clean region")
+        elif not all(core.ledger.is_clean(p) for p in pools):
+            raise RuntimeError(f"{', '.join(pools)} not clean in {state_dir}: creates would "
+                               "zero, which is not what this measures; let the driver scrub")
+        wanted = parse(params)
+        rows: dict[str, list] = {"CreateVolume": [], "DeleteVolume": []}
+        zeroed = 0
+        for i in range(reps + 1):
+            for op in rows:
+                timer.seconds, erased[0] = 0.0, 0.0
+                calls = getattr(timer, "calls", 0)
+                t0 = time.perf_counter()
+                if op == "CreateVolume":
+                    rec = core.create_volume(f"share-{os.getpid()}-{i}", size, 0, wanted)
+                else:
+                    core.delete_volume(rec.id)  # waits for the erase (delete_wait)
+                total = time.perf_counter() - t0
+                zeroed += op == "CreateVolume" and erased[0] > 0
+                if i:
+                    rows[op].append((total, timer.seconds, erased[0],
+                                     getattr(timer, "calls", 0) - calls))
+        out: dict = {}
+        for op, samples in rows.items():
+            total, back, erase, execs = (statistics.median(x[k] for x in samples)
+                                         for k in range(4))
+            out[op] = {"total_ms": total * 1000, "backend_ms": back * 1000,
+                       "erase_ms": erase * 1000, "ours_ms": (total - back - erase) * 1000,
+                       "backend_share": back / total, "ours_share": (total - back - erase) / total,
+                       "execs": execs, "n": len(samples)}
+        out["zeroed_creates"] = zeroed  # 0 on a clean region: creates wrote nothing
+        return out
+    finally:
+        core.close()
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -308,9 +366,17 @@ def print_report(r: dict) -> None:
     print()
     print("share of the driver's time in the back end (in-process, emulated, "
           f"{c['sizes'].split(',')[0]}):")
-    for op, v in r["share"].items():
-        print(f"  {op:<13} total {v['total_ms']:7.2f} ms: back end {v['backend_ms']:7.2f}, "
-              f"erase {v['erase_ms']:7.2f}, driver's own bookkeeping {v['ours_ms']:7.2f} ms")
+    print_share(r["share"], "back end")
+
+
+def print_share(share: dict, what: str) -> None:
+    for op, v in share.items():
+        if not isinstance(v, dict):
+            continue
+        execs = f" in {v['execs']:.0f} execs" if v.get("execs") else ""
+        print(f"  {op:<13} total {v['total_ms']:8.2f} ms: {what} {v['backend_ms']:8.2f}{execs} "
+              f"({v['backend_share']:.0%}), erase {v['erase_ms']:7.2f}, driver's own work "
+              f"{v['ours_ms']:7.2f} ms ({v['ours_share']:.0%})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,9 +386,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-dir", default=bench_driver.default_pool_dir())
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="smoke run: 16Mi,64Mi, 2 reps")
+    p.add_argument("--ndctl-share", metavar="STATE_DIR", type=Path,
+                   help="only the share, on real regions through ndctl (module docstring)")
     a = p.parse_args(argv)
     if a.quick:
         a.sizes, a.reps = "16Mi,64Mi", 2
+    if a.ndctl_share:
+        size = parse_quantity(a.sizes.split(",")[0])
+        r = ndctl_share(a.ndctl_share, size, a.reps)
+        if a.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(f"share of the driver's time in ndctl ({format_bytes(size)}, n={a.reps}):")
+            print_share(r, "ndctl")
+        return 0
     with contextlib.suppress(KeyboardInterrupt):
         r = run(a)
         print(json.dumps(r, indent=2) if a.json else "", end="")

@@ -41,7 +41,7 @@ from csi_pmem.backends.base import Backend, Namespace, Pool
 from csi_pmem.cleanspace import CleanSpace
 from csi_pmem.daxsock import DaxSocketServer
 from csi_pmem.erase import SAMPLED, EraseCancelled, zero_fd
-from csi_pmem.eraser import DELETE, EraseQueue
+from csi_pmem.eraser import DELETE, STOP_TIMEOUT, EraseQueue
 from csi_pmem.errors import (
     Aborted,
     AlreadyExists,
@@ -393,13 +393,18 @@ class Driver:
 
     def _continue_delete(self, rec: VolumeRecord, resumed: bool = False) -> None:
         """After the DELETING record: queue the erase (its job destroys the namespace
-        when the erase is verified), or destroy now when there is nothing to erase."""
+        when the erase is verified), or destroy now when there is nothing to erase.
+
+        A delete resumed at start-up always goes through the queue, erase or not: the
+        queue retries a failed job, and nothing else would (the CO got its answer long
+        ago), so a transient ndctl failure at start-up must not strand the volume."""
         def finish(cancel: threading.Event | None = None) -> None:
             self._finish_delete(rec, cancel)
             if resumed:
                 log.warning("finished interrupted deletion of %s (%s)", rec.id, rec.name)
 
-        if self._erases(rec) and self.backend.get(rec.id) is not None:
+        if resumed or self.eraser.get(rec.id) is not None or (
+                self._erases(rec) and not rec.erased and self.backend.get(rec.id) is not None):
             self.eraser.submit(rec.id, DELETE, rec.pool, rec.size, finish)
         else:
             finish()
@@ -408,8 +413,12 @@ class Driver:
                        cancel: threading.Event | None = None) -> None:
         ns = self.backend.get(rec.id)
         erase = self._erases(rec)
-        if ns is not None and erase:
+        if ns is not None and erase and not rec.erased:
             self._erase(ns, cancel)
+            # Write-ahead for the destroy: a stop or crash from here on resumes with the
+            # destroy alone (csi_pmem.state.VolumeRecord.erased).
+            rec.erased = True
+            self.store.put(rec)
         failpoints.hit(failpoints.DELETE_AFTER_ERASE)
         if ns is not None:
             with self.node_lock:
@@ -421,11 +430,28 @@ class Driver:
                                            "deleted without an erase (eraseOnDelete: false)")
                     failpoints.hit(failpoints.DELETE_AFTER_DIRTY)
                 self.backend.destroy(rec.id)
+        else:
+            self._destroy_leftover(rec, erase)
         failpoints.hit(failpoints.DELETE_AFTER_DESTROY)
         self.store.delete(rec.id)
         log.info("deleted volume %s (%s)", rec.id, rec.name)
         if ns is not None and not erase:
-            self.scrubber.schedule(ns.pool)
+            # A scrub running now may be past this space already: it runs once more.
+            self.scrubber.schedule(ns.pool, rerun=True)
+
+    def _destroy_leftover(self, rec: VolumeRecord, erase: bool) -> None:
+        """No volume namespace of ``rec`` is listed, but a destroy cut short after
+        ndctl's disable-namespace leaves one that the kernel then lists as a disabled
+        raw namespace with the volume's name, holding its label slot and its space. The
+        back end's destroy removes it (and does nothing if there is none). The ledger
+        is told first: an erased one keeps the region clean, any other makes it dirty."""
+        with self.node_lock:
+            if erase and rec.erased:
+                self.ledger.expect_freed(rec.pool, rec.size)
+            else:
+                self.ledger.mark_dirty(rec.pool, f"volume {rec.id} ({rec.name}) left a "
+                                       "namespace that was not erased")
+            self.backend.destroy(rec.id)
 
     def _erase(self, ns: Namespace, cancel: threading.Event | None = None) -> None:
         from csi_pmem.loader.numa import node_cpus  # the loader's, imported when needed
@@ -462,10 +488,13 @@ class Driver:
         """
         if rec.state == CREATING:
             ns = self.backend.get(rec.id)
-            if ns is not None:
-                with self.node_lock:
+            with self.node_lock:
+                if ns is not None:
                     self.ledger.expect_freed(ns.pool, ns.size)  # never handed out
-                    self.backend.destroy(rec.id)
+                # Also without a listed volume: a create killed inside ndctl can leave a
+                # raw namespace with the name, which the destroy removes (its freed
+                # space then makes the region dirty, the safe side).
+                self.backend.destroy(rec.id)
             self.store.delete(rec.id)
             log.warning("rolled back interrupted creation of %s (%s)", rec.id, rec.name)
         elif rec.state == DELETING:
@@ -629,10 +658,42 @@ class Driver:
                         "node; it is not touched (delete it by hand if it is not needed)", name)
         self.scrubber.schedule_dirty()
 
-    def close(self) -> None:
-        self.eraser.close()  # running erases stop; their DELETING records resume them
+    def close(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop within ``timeout`` seconds without leaving a namespace half-written.
+
+        Running erases stop at their next chunk; a destroy already under way runs to its
+        end (the eraser waits for it). Then the node lock is taken and kept: a namespace
+        create or destroy of an RPC that gRPC's grace period left running ends first,
+        and none starts after this returns, so the process never exits in the middle of
+        ndctl writing labels. What is left unfinished is in the state store, which the
+        next start resumes; the log says what that will be.
+        """
+        deadline = time.monotonic() + timeout
+        unfinished = self.eraser.jobs()
+        stuck = self.eraser.close(timeout)
+        if not self.node_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            log.error("stopping while a namespace create or destroy still runs after "
+                      "%.0f s; the next start finishes or rolls it back from its record",
+                      timeout)
+        for job in unfinished:
+            self._report_unfinished(job.key, job.kind, job in stuck)
         self.dax.close()
         self.backend.close()
+
+    def _report_unfinished(self, key: str, kind: str, running: bool) -> None:
+        """Say what the next start resumes of a job that close() cut short."""
+        still = " (still running at the stop)" if running else ""
+        if kind == DELETE:
+            rec = self.store.get(key)
+            if rec is None or rec.state != DELETING:
+                return  # it finished after all
+            log.warning("stopping with the deletion of %s (%s) unfinished%s; the next start "
+                        "%s", rec.id, rec.name, still,
+                        "destroys its namespace (its erase was verified)" if rec.erased
+                        else "erases it from the start and then destroys it")
+        else:
+            log.info("stopping with scrub %s unfinished%s; the next start destroys any "
+                     "scratch namespaces it left and scrubs the region again", key, still)
 
 
 __all__ = [

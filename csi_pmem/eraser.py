@@ -14,6 +14,15 @@ give way to a CreateVolume); it owns its own crash safety. A job that fails is r
 with a growing delay: its space stays unavailable rather than being released unerased.
 Each job has a key (the volume id, or ``scrub:<region>``); submitting a key that is
 queued or running returns that job, so a retried DeleteVolume queues nothing twice.
+A submit with ``rerun`` while that job runs asks for one more run after it: a scrub
+that is already past the space a new dirtying freed must look at the region again.
+
+Stopping (:meth:`EraseQueue.close`) cancels every job and waits, within a bound, for
+the running ones to reach a safe point: an erase stops at its next chunk, a namespace
+create or destroy already started runs to its end (cutting ndctl off in the middle of
+writing labels is what leaks a label slot). What a job leaves unfinished is in its
+intent in the state store (a volume's DELETING record, a scrub's scratch names), which
+the next start resumes.
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ log = logging.getLogger(__name__)
 
 DELETE, SCRUB = "delete", "scrub"
 RETRY_FIRST, RETRY_MAX = 5.0, 600.0  # seconds between attempts of a failed job
+# How long close() waits for running jobs: within Kubernetes' default 30 s grace period
+# after gRPC's own 5 s, and well above one ndctl destroy (about 1 s even under TCG).
+STOP_TIMEOUT = 20.0
 
 
 @dataclass
@@ -47,6 +59,7 @@ class Job:
     attempts: int = 0
     error: str = ""
     running: bool = False  # in a worker now (guarded by the queue's condition)
+    rerun: bool = False    # run once more when this run ends (guarded likewise)
 
 
 class EraseQueue:
@@ -67,10 +80,14 @@ class EraseQueue:
 
     # ------------------------------------------------------------------ submit
     def submit(self, key: str, kind: str, pool: str, nbytes: int,
-               run: Callable[[threading.Event], None]) -> Job:
+               run: Callable[[threading.Event], None], rerun: bool = False) -> Job:
+        """Queue ``run`` under ``key``; the job already queued or running under that key
+        if there is one (with ``rerun``, a running one runs once more afterwards)."""
         with self._cond:
             job = self._jobs.get(key)
             if job is not None:
+                if rerun and job.running and not job.cancel.is_set():
+                    job.rerun = True
                 return job
             job = Job(key=key, kind=kind, pool=pool, nbytes=nbytes, run=run)
             if self._closed:
@@ -139,18 +156,29 @@ class EraseQueue:
             except EraseCancelled:
                 log.info("%s job %s stopped before its end; it resumes later", job.kind,
                          job.key)
-                self._finish(job)
+                self._end(job, self._finish)
             except Exception as exc:  # a job must never kill its worker
                 job.error = str(exc) or type(exc).__name__
                 log.exception("%s job %s failed (attempt %d); retrying later, its space "
                               "stays unavailable", job.kind, job.key, job.attempts)
-                self._retry(job)
+                self._end(job, self._retry)
             else:
                 self.on_done(job, time.monotonic() - job.queued_at)
-                self._finish(job)
-            finally:
-                with self._cond:
-                    job.running = False
+                self._end(job, self._finish)
+
+    def _end(self, job: Job, then: Callable[[Job], None]) -> None:
+        """A run is over: run it again if that was asked for meanwhile, else ``then``."""
+        with self._cond:
+            job.running = False
+            again = job.rerun and not job.cancel.is_set() and not self._closed
+            job.rerun = False
+            if again:
+                log.info("%s job %s runs again: it was asked for while it ran", job.kind,
+                         job.key)
+                job.queued_at = time.monotonic()
+                self._queue.put(job)
+                return
+        then(job)
 
     def _finish(self, job: Job) -> None:
         with self._cond:
@@ -180,11 +208,14 @@ class EraseQueue:
             timer.start()
 
     # ------------------------------------------------------------------ stop
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop: running jobs are cancelled (their intents resume them on restart)."""
+    def close(self, timeout: float = STOP_TIMEOUT) -> list[Job]:
+        """Stop: cancel every job and wait up to ``timeout`` seconds for the running
+        ones to stop at a safe point (see the module docstring). Returns the jobs still
+        running at the timeout; their intents in the state store resume them at the
+        next start."""
         with self._cond:
             if self._closed:
-                return
+                return []
             self._closed = True
             jobs = list(self._jobs.values())
             timers, self._timers = self._timers, []
@@ -197,3 +228,5 @@ class EraseQueue:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            return [j for j in jobs if j.running]

@@ -10,6 +10,10 @@ it prints ``failpoint NAME stalled`` on stderr and sleeps until it is killed. Th
 tier uses it to power the whole machine off (QEMU killed) with a stage stopped at a
 known step, which tests what is on the persistent memory then, not what a dying
 process's kernel still writes back.
+
+``name=sleep:SECONDS`` pauses there and then goes on (printing ``failpoint NAME
+sleeping``): it holds a step open long enough for a test to stop the driver in the
+middle of it, which is how the shutdown tests catch a stop cutting a step short.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ DELETE_AFTER_DIRTY = "delete-after-dirty"  # region marked dirty, namespace not 
 SCRUB_AFTER_RECORD = "scrub-after-record"  # scrub intent written, no scratch namespace
 SCRUB_AFTER_CREATE = "scrub-after-create"  # scratch namespaces exist, not erased
 SCRUB_AFTER_ERASE = "scrub-after-erase"    # scratch erased, not destroyed
+# ndctl's two-step destroy (csi_pmem.backends.ndctl): disabled, not yet destroyed.
+DESTROY_MID = "destroy-mid"
 ERASE = (ERASE_MID, DELETE_AFTER_DIRTY, SCRUB_AFTER_RECORD, SCRUB_AFTER_CREATE,
          SCRUB_AFTER_ERASE)
 ALL = (CREATE_AFTER_RECORD, CREATE_AFTER_NAMESPACE, DELETE_AFTER_RECORD, DELETE_AFTER_ERASE,
@@ -74,4 +80,8 @@ def hit(name: str) -> None:
         print(f"failpoint {name} stalled", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
+    if action.startswith("sleep:"):
+        print(f"failpoint {name} sleeping", file=sys.stderr, flush=True)
+        time.sleep(float(action.removeprefix("sleep:")))
+        return
     os.kill(os.getpid(), signal.SIGKILL)

@@ -102,10 +102,13 @@ class Scrubber:
             return [ns.size for ns in self._held.get(pool, [])]
 
     # ------------------------------------------------------------------ scheduling
-    def schedule(self, pool: str) -> None:
+    def schedule(self, pool: str, rerun: bool = False) -> None:
+        """Queue a scrub of ``pool``. With ``rerun`` (the region was dirtied just now), a
+        scrub of it that is running already runs once more after it ends: it covered the
+        free space it found at its start, not what was freed since."""
         if self.enabled:
             self.eraser.submit(job_key(pool), SCRUB, pool, 0,
-                               lambda cancel: self.run(pool, cancel))
+                               lambda cancel: self.run(pool, cancel), rerun=rerun)
 
     def schedule_dirty(self) -> None:
         """Queue a scrub for every region the ledger knows to be dirty. From the

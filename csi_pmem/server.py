@@ -85,7 +85,8 @@ class Server:
         csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self.driver), self.grpc)
         csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self.driver), self.grpc)
         self.watcher: DeviceWatcher | None = None
-        self._stopped = threading.Event()
+        self._stopped = threading.Event()  # stop() has begun
+        self._done = threading.Event()     # stop() has ended: the process may exit
 
     def start(self) -> None:
         started = time.monotonic()
@@ -133,18 +134,24 @@ class Server:
         self.watcher = watcher
 
     def wait(self) -> None:
-        self._stopped.wait()
+        """Until stop() has ended, not just begun: the signal handler runs stop() in a
+        daemon thread, and an interpreter that exits meanwhile would cut the driver's
+        close short, with a background erase's ndctl destroy half done."""
+        self._done.wait()
 
     def stop(self, grace: float = 5.0) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self.grpc.stop(grace).wait()
-        if self.watcher is not None:
-            self.watcher.stop()
-        self.driver.close()
-        rpc_module.observers[:] = [o for o in rpc_module.observers
-                                   if o != self.metrics.observe_rpc]
+        try:
+            self.grpc.stop(grace).wait()
+            if self.watcher is not None:
+                self.watcher.stop()
+            self.driver.close()
+            rpc_module.observers[:] = [o for o in rpc_module.observers
+                                       if o != self.metrics.observe_rpc]
+        finally:
+            self._done.set()
 
 
 def serve(cfg: ServeConfig) -> int:

@@ -83,6 +83,10 @@ class VolumeRecord:
     # yet been followed by a successful mount (a retry formats again).
     block_used: bool = False
     formatting: bool = False
+    # DELETING: the erase was verified and only the destroy is left, so a resumed delete
+    # destroys without erasing again. It also resumes a destroy cut short after ndctl's
+    # disable-namespace, whose device is gone and could not be erased again anyway.
+    erased: bool = False
 
     @property
     def device_mode(self) -> str:

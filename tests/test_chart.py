@@ -212,6 +212,46 @@ def test_driver_env_names_are_real_flags(which: str, request: pytest.FixtureRequ
     assert names <= known, f"unknown driver variables: {sorted(names - known)}"
 
 
+ERASE_FLAGS = {  # values.yaml key: (driver variable, default, an override)
+    "eraseWorkers": ("CSI_PMEM_ERASE_WORKERS", "2", "3"),
+    "eraseVerify": ("CSI_PMEM_ERASE_VERIFY", "sampled", "full"),
+    "eraseWaitSeconds": ("CSI_PMEM_ERASE_WAIT_SECONDS", "5", "7"),
+    "deleteWaitSeconds": ("CSI_PMEM_DELETE_WAIT_SECONDS", "30", "0"),
+    "scrub": ("CSI_PMEM_SCRUB", "auto", "off"),
+}
+
+
+def serve_config_from(env: dict[str, Any]) -> Any:
+    """What `csi-pmem serve` makes of the rendered CSI_PMEM_* variables (its own parser,
+    so a value the chart renders but the driver refuses fails here)."""
+    import argparse
+    import unittest.mock
+
+    from csi_pmem import config
+
+    plain = {k: v for k, v in env.items() if k.startswith("CSI_PMEM_") and isinstance(v, str)}
+    with unittest.mock.patch.dict(os.environ, plain, clear=True):
+        parser = argparse.ArgumentParser()
+        config.add_serve_flags(parser)
+        return config.from_args(parser.parse_args([]))
+
+
+def test_erase_flags_render_as_the_driver_reads_them(helm: str, default: Manifests) -> None:
+    env = default.env("driver")
+    for key, (name, want, _) in ERASE_FLAGS.items():
+        assert env[name] == want, key
+    cfg = serve_config_from(env)
+    assert (cfg.erase_workers, cfg.erase_verify, cfg.erase_wait_seconds,
+            cfg.delete_wait_seconds, cfg.scrub) == (2, "sampled", 5.0, 30.0, "auto")
+    sets = ",".join(f"driver.{key}={over}" for key, (_, _, over) in ERASE_FLAGS.items())
+    env = Manifests(render(helm, "--set", sets)).env("driver")
+    for key, (name, _, over) in ERASE_FLAGS.items():
+        assert env[name] == over, key
+    cfg = serve_config_from(env)
+    assert (cfg.erase_workers, cfg.erase_verify, cfg.erase_wait_seconds,
+            cfg.delete_wait_seconds, cfg.scrub) == (3, "full", 7.0, 0.0, "off")
+
+
 def test_driver_mounts(default: Manifests) -> None:
     mounts = default.mounts("driver")
     kubelet = mounts["kubelet-dir"]
@@ -753,6 +793,10 @@ def test_optional_prometheusrule_and_dashboard_ship_the_tested_files(helm: str,
     ("storageClasses.align=4Ki", "/storageClasses/align"),
     ("storageClasses.perNuma={zero}", "/storageClasses/perNuma/0"),
     ("driver.logFormat=xml", "/driver/logFormat"),
+    ("driver.eraseWorkers=0", "/driver/eraseWorkers"),
+    ("driver.eraseVerify=some", "/driver/eraseVerify"),
+    ("driver.eraseWaitSeconds=-1", "/driver/eraseWaitSeconds"),
+    ("driver.scrub=on", "/driver/scrub"),
     ("provisioner.timeout=2 minutes", "/provisioner/timeout"),
     ("metrics.port=70000", "/metrics/port"),
     ("drivr.logLevel=debug", "drivr"),  # a typo is an error, not a silent no-op

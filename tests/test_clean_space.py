@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -360,3 +361,114 @@ def test_a_cancelled_job_waiting_in_the_queue_or_for_a_retry_is_done_at_once(mon
         assert retrying.done.is_set() and q.jobs() == []
     finally:
         q.close()
+
+
+# ------------------------------------------------------------------ stopping and resuming
+def test_close_waits_for_a_namespace_destroy_in_flight(drivers, monkeypatch):
+    """A destroy under way (here a DeleteVolume's, which gRPC's grace period may leave
+    running) ends before close() returns, and none starts after it."""
+    d = drivers(scrub=False)
+    vol = d.create_volume("a", 64 * MiB, 0, params(eraseOnDelete="false"))
+    inside, done = threading.Event(), threading.Event()
+    real = d.backend.destroy
+
+    def slow(name):
+        inside.set()
+        threading.Event().wait(0.5)  # an ndctl destroy takes about this long
+        real(name)
+        done.set()
+
+    monkeypatch.setattr(d.backend, "destroy", slow)
+    deleting = threading.Thread(target=d.delete_volume, args=(vol.id,))
+    deleting.start()
+    assert inside.wait(10)
+    d.close(timeout=10)
+    assert done.is_set(), "close() returned while a destroy was running"
+    deleting.join(10)
+    assert d.store.get(vol.id) is None
+    assert not d.node_lock.acquire(blocking=False), "a create or destroy could start now"
+
+
+def test_close_gives_up_within_its_bound_and_says_what_resumes(drivers, monkeypatch, caplog):
+    d = drivers(scrub=False)
+    vol = d.create_volume("a", 64 * MiB, 0, params())
+    erases = Erases(d, monkeypatch)
+    erases.hold.clear()
+
+    def deaf(ns, cancel=None):  # an erase that does not look at its cancel event
+        erases.started.set()
+        erases.hold.wait(30)
+        raise EraseCancelled("test")
+
+    monkeypatch.setattr(d, "_erase", deaf)
+    d.delete_volume(vol.id)
+    assert erases.started.wait(10)
+    t = time.monotonic()
+    d.close(timeout=1)
+    assert time.monotonic() - t < 5
+    erases.hold.set()
+    assert f"stopping with the deletion of {vol.id} (a) unfinished (still running at the " \
+        "stop); the next start erases it from the start" in caplog.text
+    assert d.store.get(vol.id).state == "deleting"
+
+
+@pytest.mark.parametrize("erase", ["true", "false"])
+def test_a_resumed_delete_whose_first_attempt_fails_is_retried(tmp_path, monkeypatch, erase):
+    """A DELETING record found at start-up goes through the queue, which retries it: a
+    transient ndctl failure there (a listing, a destroy) must not strand the volume
+    until the next restart."""
+    monkeypatch.setattr("csi_pmem.eraser.RETRY_FIRST", 0.05)
+    d = make_driver(tmp_path, scrub=False)
+    vol = d.create_volume("a", 64 * MiB, 0, params(eraseOnDelete=erase))
+    d.close()
+    rec = d.store.get(vol.id)
+    rec.state = "deleting"  # as a crash right after DeleteVolume's intent leaves it
+    d.store.put(rec)
+
+    backend = EmulatedBackend(tmp_path / "pools", {0: REGION}, free_space="reuse")
+    failures = []
+    real_get = backend.get
+
+    def flaky_get(name):
+        if name == vol.id and not failures:
+            failures.append(name)
+            raise BackendError("ndctl list failed: exit 1 (transient)")
+        return real_get(name)
+
+    monkeypatch.setattr(backend, "get", flaky_get)
+    d = Driver(DriverConfig(driver_name="csi-pmem.test", node_id="n",
+                            kubelet_dir=str(tmp_path), erase_threads=2, scrub=False),
+               backend, StateStore(tmp_path / "state"), DaxSocketServer())
+    try:
+        d.reconcile()
+        eventually(lambda: d.store.get(vol.id) is None, "the retried resume")
+        assert failures == [vol.id], "the failure this test is about never happened"
+        assert backend.get(vol.id) is None
+    finally:
+        d.close()
+
+
+def test_an_unerased_delete_during_a_scrub_gets_the_region_scrubbed_again(drivers,
+                                                                          monkeypatch):
+    """The running scrub covered the free space it found at its start; a delete without
+    erase meanwhile frees unerased space it never saw. The region must not be called
+    clean then, and must be scrubbed again without waiting for the next create."""
+    d = drivers(scrub=False)
+    vol = d.create_volume("a", 64 * MiB, 0, params(eraseOnDelete="false"))
+    write_pattern(d, vol.id)
+    erases = Erases(d, monkeypatch, held="csi-pmem-scrub-")
+    erases.hold.clear()
+    d.scrubber.enabled = True
+    d.scrubber.schedule("region0")
+    assert erases.started.wait(10)
+    d.delete_volume(vol.id)  # during the scrub: the old bytes are now free space
+    assert not d.ledger.is_clean("region0")
+    scrubs_before = sum(n.startswith("csi-pmem-scrub-") for n in erases.calls)
+    erases.hold.set()
+    eventually(lambda: d.ledger.is_clean("region0") and not d.eraser.jobs(),
+               "a second scrub over the freed space")
+    assert sum(n.startswith("csi-pmem-scrub-") for n in erases.calls) > scrubs_before
+    erases.calls.clear()
+    again = d.create_volume("b", 64 * MiB, 0, params())
+    assert erases.calls == [], "a clean region zeroed on create"
+    assert first_and_last(d, again.id) == [bytes(BLOCK)] * 2, "the old bytes were handed out"

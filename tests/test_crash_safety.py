@@ -333,7 +333,8 @@ def test_sigkill_during_erase_of_large_volume(driver_factory):
     assert f"erased {vid}" not in d.log.read_text()
 
     d.start()
-    d.delete(vid)  # the CO's retry
+    d.delete(vid)  # the CO's retry; returns after --delete-wait-seconds at the latest
+    _wait_for(lambda: vid not in records(d), 60, "the resumed erase (slow on a loaded machine)")
     assert_consistent(d, set())
     assert not path.exists()
     assert d.capacity().available_capacity == initial

@@ -11,6 +11,7 @@ bytes really are handed to the next one, as on persistent memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -247,3 +248,80 @@ def test_volume_crash_points_keep_a_clean_region_clean(driver_factory, point):
     assert rec["clean"], f"the region became dirty: {rec['reason']}"
     vid = assert_new_volume_reads_zeros(d)
     assert not zeroed_on_create(d, vid)
+
+
+# ------------------------------------------------------------------ stopping
+def erase_lines(d: DriverProcess, vid: str) -> int:
+    return sum(1 for line in d.log.read_text().splitlines() if f" erased {vid}:" in line)
+
+
+def test_sigkill_after_the_erase_resumes_with_the_destroy_alone(driver_factory):
+    """The verified erase is recorded before the destroy: the resumed delete does not
+    erase again (on ndctl a destroy cut short after disable-namespace leaves no device
+    that could be erased again)."""
+    d = driver_factory(regions=REGIONS, extra=reuse("--delete-wait-seconds", "0")).start()
+    wait_clean(d)
+    initial = available(d)
+    d.create(VICTIM, size=SIZE)
+    write_pattern(d, VICTIM_ID)
+    d.restart(failpoints=failpoints.DELETE_AFTER_ERASE)
+    with contextlib.suppress(grpc.RpcError):
+        d.delete(VICTIM_ID)
+    crashed(d)
+    rec = records(d)[VICTIM_ID]
+    assert rec["state"] == "deleting" and rec["erased"] is True, rec
+    assert erase_lines(d, VICTIM_ID) == 1
+    d.start()
+    eventually(lambda: records(d) == {} and backing_ids(d) == [], "the resumed destroy")
+    assert erase_lines(d, VICTIM_ID) == 1, "the resumed delete erased again"
+    assert available(d) == initial and region(d)["clean"]
+    assert_new_volume_reads_zeros(d)
+
+
+def test_sigterm_waits_for_a_background_delete_in_its_destroy_step(driver_factory):
+    """SIGTERM while a background delete is past its erase: the process exits only once
+    the destroy is done (it used to exit as soon as the stop began, cutting ndctl off
+    in the middle of a destroy)."""
+    d = driver_factory(regions=REGIONS, extra=reuse("--delete-wait-seconds", "0")).start()
+    wait_clean(d)
+    initial = available(d)
+    d.create(VICTIM, size=SIZE)
+    d.restart(failpoints=f"{failpoints.DELETE_AFTER_ERASE}=sleep:3")
+    d.delete(VICTIM_ID)  # returns at once; the job sleeps between erase and destroy
+    eventually(lambda: "failpoint delete-after-erase sleeping" in d.log.read_text(),
+               "the delete to reach its destroy step")
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.wait_exit(30) == 0
+    d.kill()
+    assert records(d) == {} and backing(d, VICTIM_ID) is None, \
+        "the driver exited with the delete half done"
+    text = d.log.read_text()
+    assert text.index(f"deleted volume {VICTIM_ID}") < text.rindex("stopped;")
+    d.start()
+    assert available(d) == initial and region(d)["clean"]
+
+
+def test_stop_during_an_erase_leaves_a_resumable_delete_and_says_so(driver_factory):
+    """SIGTERM in the middle of an erase: the erase stops at its next chunk, the process
+    exits at once, and the log says what the next start does; it then does it."""
+    # One erase thread and three chunks: the stop is seen before the second one.
+    d = driver_factory(regions=REGIONS, extra=reuse("--delete-wait-seconds", "0",
+                                                    "--erase-threads", "1")).start()
+    wait_clean(d)
+    initial = available(d)
+    d.create(VICTIM, size=160 * MiB)
+    d.restart(failpoints=f"{failpoints.ERASE_MID}=sleep:1")
+    d.delete(VICTIM_ID)
+    eventually(lambda: "failpoint erase-mid sleeping" in d.log.read_text(), "the erase")
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.wait_exit(30) == 0
+    d.kill()
+    rec = records(d)[VICTIM_ID]
+    assert rec["state"] == "deleting" and rec["erased"] is False
+    assert backing(d, VICTIM_ID) is not None, "destroyed without a finished erase"
+    assert (f"stopping with the deletion of {VICTIM_ID} ({VICTIM}) unfinished; the next "
+            "start erases it from the start") in d.log.read_text()
+    d.start()
+    eventually(lambda: records(d) == {} and available(d) == initial, "the resumed delete")
+    assert region(d)["clean"]
+    assert_new_volume_reads_zeros(d)

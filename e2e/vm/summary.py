@@ -66,6 +66,19 @@ def fsdax_lines(facts: dict) -> list[str]:
     return lines
 
 
+def share_lines(share: dict) -> list[str]:
+    """Issue 17: the share of CreateVolume/DeleteVolume that is ndctl (test_guest.py)."""
+    lines = []
+    for op in ("CreateVolume", "DeleteVolume"):
+        v = share.get(op)
+        if v:
+            lines.append(f"  {op} 64Mi in the guest: {v['total_ms']:.0f} ms, ndctl "
+                         f"{v['backend_ms']:.0f} ms in {v['execs']:.0f} execs "
+                         f"({v['backend_share']:.0%}), erase {v['erase_ms']:.0f} ms, the "
+                         f"driver's own {v['ours_ms']:.0f} ms ({v['ours_share']:.0%})")
+    return lines
+
+
 def weights_lines(facts: dict, root: Path) -> list[str]:
     """The weights workflow on the real devices: the persist primitive per kind of
     volume, the staging benchmark against the host's, power-cut outcomes."""
@@ -152,6 +165,7 @@ def summarise_config(d: Path) -> tuple[dict, list[str], bool]:
                          f"min {v['min_s']:7.3f}  max {v['max_s']:7.3f}")
     if facts.get("driver_start_seconds") is not None:
         lines.append(f"  driver start to serving: {facts['driver_start_seconds']:.1f} s")
+    lines += share_lines(facts.get("ndctl_share_64Mi") or {})
     report = {"config": d.name, "ok": ok, "guest_exit": rc_text, "boot_seconds": boot,
               "tests": cases, "csi_sanity": facts.get("csi_sanity"), "latency": ops}
     return report, lines, ok

@@ -59,6 +59,7 @@ class FakeRunner:
         self.listings = [copy.deepcopy(x) for x in listings]
         self.create = create
         self.fail: dict[str, BaseException] = {}
+        self.said: dict[str, str] = {}  # a subcommand's stderr on success
         self.calls: list[list[str]] = []
         self.timeouts: list[float] = []
 
@@ -83,7 +84,7 @@ class FakeRunner:
         err = self.fail.get(argv[1])
         if err is not None:
             raise err
-        return subprocess.CompletedProcess(argv, 0, "", "")
+        return subprocess.CompletedProcess(argv, 0, "", self.said.get(argv[1], ""))
 
     def writes(self) -> list[list[str]]:
         return [c for c in self.calls if c[1] != "list"]
@@ -713,6 +714,43 @@ def test_destroy_disables_then_destroys_by_handle(sysroot):
     assert set(runner.timeouts) == {120}
 
 
+def test_destroy_confirmed_by_ndctl_needs_no_second_listing(sysroot):
+    """ndctl prints "destroyed 1 namespace" (ndctl/namespace.c): then the listing that
+    checks the namespace is gone is one exec too many."""
+    before = load("list_namespaces")
+    runner = FakeRunner(before, before)  # a second listing would still show it
+    runner.said = {"disable-namespace": "disabled 1 namespace\n",
+                   "destroy-namespace": "destroyed 1 namespace\n"}
+    backend(runner, sysroot("namespaces")).destroy("pvc-7a3b1c9d2e")
+    assert runner.calls == [LIST_ARGV, ["ndctl", "disable-namespace", "namespace0.0"],
+                            ["ndctl", "destroy-namespace", "namespace0.0", "--force"]]
+    runner = FakeRunner(before, before)
+    runner.said = {"destroy-namespace": "destroyed 0 namespaces\n"}
+    with pytest.raises(BackendError, match="still present"):
+        backend(runner, sysroot("namespaces")).destroy("pvc-7a3b1c9d2e")
+
+
+def test_reads_after_a_write_list_afresh(sysroot):
+    """The listing cached during a destroy or create predates it: the next read (a
+    GetCapacity right after) must list again, not show the old free space."""
+    before = load("list_namespaces")
+    after = destroyed(before, "namespace0.0")
+
+    class ReadDuringDestroy(FakeRunner):
+        def run(self, argv, *args, **kwargs):
+            if argv[1] == "destroy-namespace":
+                b.pools()  # a GetCapacity while ndctl destroys: lists the old state
+            return super().run(argv, *args, **kwargs)
+
+    runner = ReadDuringDestroy(before, before, after)
+    runner.said = {"destroy-namespace": "destroyed 1 namespace\n"}
+    b = backend(runner, sysroot("namespaces"))
+    b.destroy("pvc-7a3b1c9d2e")
+    assert "pvc-7a3b1c9d2e" not in [ns.name for ns in b.namespaces()], \
+        "a read right after the destroy showed the listing from before it"
+    assert runner.calls.count(LIST_ARGV) == 3
+
+
 def test_destroy_of_a_disabled_namespace_skips_disable(sysroot):
     before = load("list_namespaces")
     runner = FakeRunner(before, destroyed(before, "namespace0.3"))
@@ -996,3 +1034,45 @@ def test_reads_share_one_listing_until_invalidated(sysroot):
     b0.pools()
     b0.pools()
     assert runner.calls == [LIST_ARGV] * 4  # no cache: every read lists
+
+
+# ----------------------------------------------------- a destroy cut short, resumed
+def test_resumed_delete_destroys_the_raw_leftover_of_a_destroy_cut_short(sysroot, tmp_path):
+    """Killed between disable-namespace and destroy-namespace, the namespace keeps its
+    name and label but the kernel lists it as a disabled raw namespace (its dax claim is
+    gone; seen in the VM tier), which is no volume namespace. The resumed delete must
+    still destroy it: it used to drop the record and leak the namespace and its label."""
+    from csi_pmem.daxsock import DaxSocketServer
+    from csi_pmem.driver import Driver, DriverConfig, volume_id_for
+    from csi_pmem.state import DELETING, RegionRecord, StateStore, VolumeRecord
+
+    vid = volume_id_for("victim")
+    before = load("list_namespaces")
+    for region in before["regions"]:
+        for ns in region.get("namespaces") or []:
+            if ns["dev"] == "namespace0.3":  # disabled, as disable-namespace leaves it
+                ns.update(mode="raw", name=vid)
+                ns.pop("map", None)
+                ns.pop("align", None)
+    runner = FakeRunner(before, before, destroyed(before, "namespace0.3"))
+    b = backend(runner, sysroot("namespaces"))
+    assert b.get(vid) is None, "the premise: the leftover is no volume namespace"
+    store = StateStore(tmp_path / "state")
+    for region in before["regions"]:  # clean, expecting the free space it shows
+        store.put_region(RegionRecord(pool=region["dev"], clean=True,
+                                      free=region["available_size"]))
+    store.put(VolumeRecord(id=vid, name="victim", state=DELETING, params={},
+                           required_bytes=64 * MiB, pool="region0", size=80 * MiB,
+                           erased=True))
+    d = Driver(DriverConfig(driver_name="csi-pmem.test", node_id="n",
+                            kubelet_dir=str(tmp_path), scrub=False),
+               b, store, DaxSocketServer())
+    try:
+        d.reconcile()
+        assert d.eraser.wait(vid, 10)
+    finally:
+        d.close()
+    assert ["ndctl", "destroy-namespace", "namespace0.3", "--force"] in runner.writes()
+    assert ["ndctl", "disable-namespace", "namespace0.3"] not in runner.writes()
+    assert store.get(vid) is None
+    assert store.get_region("region0").clean, "an erased leftover dirtied the region"
