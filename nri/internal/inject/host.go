@@ -3,6 +3,7 @@ package inject
 import (
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/moby/sys/mountinfo"
 )
@@ -22,26 +23,21 @@ func (OSHost) Mount(target string) (MountInfo, bool, error) {
 		return MountInfo{}, false, nil
 	}
 	m := ms[len(ms)-1]
-	ro := false
-	for _, o := range splitOpts(m.Options) {
-		if o == "ro" {
-			ro = true
-		}
-	}
+	// The driver seals with "mount -o remount,ro", which makes the superblock read-only;
+	// this process's copy of the mount (propagated from the driver's namespace while it
+	// was still rw) keeps its own per-mount flags, so the super options count too.
+	ro := hasOpt(m.Options, "ro") || hasOpt(m.VFSOptions, "ro")
 	return MountInfo{FSType: m.FSType, Source: m.Source, ReadOnly: ro}, true, nil
 }
 
 // ReadFile reads a file.
 func (OSHost) ReadFile(name string) ([]byte, error) { return os.ReadFile(name) }
 
-func splitOpts(s string) []string {
-	var out []string
-	start := 0
-	for i := 0; i <= len(s); i++ {
-		if i == len(s) || s[i] == ',' {
-			out = append(out, s[start:i])
-			start = i + 1
+func hasOpt(opts, want string) bool {
+	for _, o := range strings.Split(opts, ",") {
+		if o == want {
+			return true
 		}
 	}
-	return out
+	return false
 }
