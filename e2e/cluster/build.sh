@@ -8,7 +8,8 @@
 # Env:   CSI_PMEM_CACHE  cache root (default: $HOME/.cache/csi-pmem); binaries land in
 #                        $CSI_PMEM_CACHE/cluster/<name>-<key>/bin
 # Output: the last line of stdout is the path of a directory holding symlinks to all
-#         binaries (the "bin dir" that up.sh and the tests put first on PATH).
+#         binaries (the "bin dir" that up.sh and the tests put first on PATH); with one
+#         target (e.g. containerd, nri), that target's own bin directory.
 #
 # Why wrappers: k8s.io/kubernetes (and the CSI sidecars) replace their k8s.io/<staging>
 # modules with ./staging paths or carry replace directives, so `go install mod@ver`
@@ -210,4 +211,6 @@ if [[ "${#targets[@]}" -ge 6 ]]; then
   done
   log "all binaries in ${bindir} ($(( $(date +%s) - t_all )) s)"
   echo "${bindir}"
+elif [[ "${#targets[@]}" == 1 && "${targets[0]}" != debs ]]; then
+  echo "${dirs[0]}"  # one set (containerd, nri): its own bin directory
 fi
