@@ -263,7 +263,7 @@ def test_plugin_restart_leaves_running_containers_alone(nri_release: NriCluster)
     cid = before.container_id.split("://", 1)[1]
     # Stop the plugin's process through our containerd; kubelet restarts the container.
     subprocess.run(["ctr", "--address", k.env["CONTAINERD_SOCK"], "-n", "k8s.io", "tasks",
-                    "kill", "-s", "SIGTERM", cid], check=True, capture_output=True, timeout=30)
+                    "kill", "-s", "SIGKILL", cid], check=True, capture_output=True, timeout=30)
     wait_until("the plugin restarted", lambda: (s := k.nri_status()).restart_count > restarts
                and s.ready, 120)
     wait_until("the new plugin's Synchronize", lambda: "synchronized" in k.nri_log(), 60)
