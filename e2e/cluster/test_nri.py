@@ -221,6 +221,7 @@ def test_restricted_pod_opens_the_device_rw_and_a_later_pod_reads_it_back(
     STATE["vid"] = vid
     log = k.nri_log()
     assert "device injected" in log and vid in log and "access=rw" in log, log
+    record("nri_injected", [ln for ln in log.splitlines() if "device injected" in ln])
     k.remove_pod("dev-writer")
 
     k.pod2("dev-reader", "dev", ["devread", "nri-A"])
@@ -268,6 +269,7 @@ def test_plugin_restart_leaves_running_containers_alone(nri_release: NriCluster)
                and s.ready, 120)
     wait_until("the new plugin's Synchronize", lambda: "synchronized" in k.nri_log(), 60)
     log = k.nri_log()
+    record("nri_after_restart", [ln for ln in log.splitlines() if "synchronized" in ln])
     # It reports the holder (created with its node) as fine: nothing without a node.
     assert "without_node=0" in log, log
     r = k.done("dev-hold", timeout=120)["w"]
@@ -292,6 +294,7 @@ def test_after_unpublish_nothing_is_left(nri_release: NriCluster) -> None:
 
 def test_plugin_disabled_is_todays_behaviour(nri_release: NriCluster) -> None:
     k = nri_release
+    k.save_driver_logs("nri-enabled")  # the plugin's log, before it goes
     old = k.driver_pod().metadata.uid
     k.run("helm", "upgrade", RELEASE, str(REPO / "charts" / "csi-pmem"), *helm_values(k, False))
     wait_until("the new driver pod without the plugin", lambda: (p := k.driver_ready())
