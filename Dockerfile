@@ -30,7 +30,7 @@ ARG DEBIAN_IMAGE=debian:12-slim
 FROM ${DEBIAN_IMAGE} AS builder
 ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-pip \
+ && apt-get install -y --no-install-recommends python3 python3-pip python3-venv \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -43,7 +43,9 @@ COPY csi_pmem ./csi_pmem
 # as the secret pip-ca (scripts/build-image.sh); a build without it uses the image's own.
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
- && python3 -m pip wheel --wheel-dir /wheels ".[driver,gpu-copy,loader]"
+ && python3 -m pip wheel --wheel-dir /wheels ".[driver,gpu-copy,loader]" \
+ && python3 -m venv /opt/csi-pmem \
+ && /opt/csi-pmem/bin/pip install --no-cache-dir --no-index --find-links /wheels "csi-pmem[driver,gpu-copy,loader]"
 
 FROM ${DEBIAN_IMAGE}
 ARG DEBIAN_IMAGE
@@ -64,12 +66,14 @@ ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ${RUNTIME_PACKAGES} \
  && rm -rf /var/lib/apt/lists/*
-# The same steps as the test bed's image: a venv from the builder's wheels (bind-mounted,
-# so they are not left in a layer), the entry points also on the default PATH.
-RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    python3 -m venv /opt/csi-pmem \
- && /opt/csi-pmem/bin/pip install --no-cache-dir --no-index --find-links /wheels "csi-pmem[driver,gpu-copy,loader]" \
- && /opt/csi-pmem/bin/python -c "import csi_pmem.daxclient, grpc" \
+# The venv the builder made from its wheels (same Debian, same /usr/bin/python3), copied:
+# COPY --from's layer cache follows the content, so a changed csi_pmem/ always reaches
+# the image. (The install used to run here with the wheels bind-mounted from the builder;
+# buildah's layer cache does not look at a bind mount's content, so a changed source
+# got the previous install layer back, and with a cached builder stage it has nothing
+# to mount at all.) The entry points also on the default PATH.
+COPY --from=builder /opt/csi-pmem /opt/csi-pmem
+RUN /opt/csi-pmem/bin/python -c "import csi_pmem.daxclient, grpc" \
  && ln -s /opt/csi-pmem/bin/csi-pmem /usr/local/bin/csi-pmem \
  && ln -s /opt/csi-pmem/bin/csi-pmem-weights /usr/local/bin/csi-pmem-weights \
  && csi-pmem serve --help >/dev/null

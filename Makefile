@@ -5,7 +5,7 @@ RUN_DIR ?= /tmp/csi-pmem
 export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
 
 .PHONY: setup tools run test check check-fast unit lint proto proto-check sanity bench clean e2e-vm \
-	helm-lint deploy deploy-check e2e-cluster image
+	helm-lint deploy deploy-check e2e-cluster image nri-test
 
 setup:
 	@bash scripts/setup.sh
@@ -30,8 +30,12 @@ test: check e2e-vm e2e-cluster
 
 # The host tiers only (about 5 minutes, as root): the unit tier, then the integration tier
 # (real gRPC, mounts, loop devices, cgroups, csi-sanity).
-check: setup tools proto-check lint deploy-check
+check: setup tools proto-check lint deploy-check nri-test
 	CSI_SANITY_REQUIRED=1 PROMTOOL_REQUIRED=1 $(PY) -m pytest -q -ra --durations=15 tests
+
+# The NRI plugin's go tests and vet (nri/, a Go module of its own; a few seconds warm).
+nri-test:
+	cd nri && GOTOOLCHAIN=local go vet ./... && GOTOOLCHAIN=local go test ./...
 
 # Before every commit (.pre-commit-config.yaml runs the same), as an ordinary user, in
 # under a minute: lint and the unit tier.

@@ -40,6 +40,7 @@ DEFAULTS = {
     "ndctl": "ndctl",
     "device_poll_seconds": "30",
     "gpu_copy_socket": "",
+    "device_node": "off",
 }
 HELP = {
     "endpoint": "gRPC endpoint: unix:///path/csi.sock or tcp://127.0.0.1:PORT",
@@ -73,11 +74,14 @@ HELP = {
     "device_poll_seconds": "interval of the device re-scan when udev events are unavailable",
     "gpu_copy_socket": "control socket of this node's GPU copy service (csi-pmem gpu-copy); "
                        "devdax publications then also serve gpu.sock (empty: off)",
+    "device_node": "on: devdax publications name the volume's device node in volume.json "
+                   "(device_node), so the NRI plugin (csi-pmem-nri) adds it to the pod's "
+                   "containers that mount the volume; off: dax.sock only",
 }
 CHOICES = {"backend": ("ndctl", "emulated"), "log_format": ("text", "json"),
            "emulated_device": ("file", "loop"), "emulated_free_space": ("fresh", "reuse"),
            "erase_verify": ("sampled", "full", "off"), "scrub": ("auto", "off"),
-           "log_level": ("debug", "info", "warning", "error")}
+           "log_level": ("debug", "info", "warning", "error"), "device_node": ("off", "on")}
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,7 @@ class ServeConfig:
     erase_wait_seconds: float = 5.0
     delete_wait_seconds: float = 1.0
     scrub: str = "auto"
+    device_node: str = "off"
 
 
 def env_name(key: str) -> str:

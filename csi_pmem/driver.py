@@ -123,6 +123,7 @@ class DriverConfig:
     scrub: bool = True           # scrub dirty regions in the background
     erase_wait: float = 5.0      # how long CreateVolume waits for space being erased
     delete_wait: float = 1.0     # how long DeleteVolume waits for its background erase
+    device_node: bool = False    # volume.json names the device node (the NRI plugin's)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ class Driver:
         # they do to the host goes through the mounter (a fake in unit tests).
         mounter = mounter or HostMounter()
         self.nodes: dict[str, NodePublisher] = {
-            DEVDAX: DevdaxNode(backend, store, dax, config.driver_name, mounter, gpu_copy),
+            DEVDAX: DevdaxNode(backend, store, dax, config.driver_name, mounter, gpu_copy,
+                               device_node=config.device_node),
             FSDAX: FsdaxNode(backend, store, mounter),
         }
         # Erase once (docs/design.md §6.9): the clean-space ledger, the background

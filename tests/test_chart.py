@@ -341,14 +341,14 @@ def test_provisioner_node_deployment_with_capacity(default: Manifests) -> None:
 
 CONTAINER_VALUES = {"driver": "driver", "csi-provisioner": "provisioner",
                     "node-driver-registrar": "registrar", "liveness-probe": "livenessProbe",
-                    "gpu-copy": "gpuCopy"}
+                    "gpu-copy": "gpuCopy", "nri": "nri"}
 
 
 def test_security_contexts_default_and_override(helm: str) -> None:
     """Each container's securityContext is its value, the defaults are the ones the
     design needs (only the driver privileged), and a user's value overrides them."""
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    m = Manifests(render(helm, "--set", "gpuCopy.enabled=true"))
+    m = Manifests(render(helm, "--set", "gpuCopy.enabled=true", "--set", "nri.enabled=true"))
     assert {c["name"] for c in m.pod["containers"]} == set(CONTAINER_VALUES)
     for container, key in CONTAINER_VALUES.items():
         assert m.container(container)["securityContext"] == values[key]["securityContext"]
@@ -384,6 +384,47 @@ def test_kubelet_dir_is_one_value(helm: str) -> None:
     assert m.host_path("registration-dir") == f"{k0s}/plugins_registry"
     assert m.env("driver")["CSI_PMEM_KUBELET_DIR"] == k0s
     assert "/var/lib/kubelet" not in yaml.safe_dump(m.one("DaemonSet"))
+
+
+# --------------------------------------------------------------------------- NRI plugin
+
+
+NRI_MAIN = REPO / "nri" / "cmd" / "csi-pmem-nri" / "main.go"
+
+
+def test_nri_is_off_by_default(default: Manifests, emulated: Manifests) -> None:
+    for m in (default, emulated):
+        assert "nri" not in {c["name"] for c in m.pod["containers"]}
+        assert "CSI_PMEM_DEVICE_NODE" not in m.env("driver")
+        assert "nri-socket-dir" not in {v["name"] for v in m.pod["volumes"]}
+
+
+def test_nri_container(helm: str) -> None:
+    m = Manifests(render(helm, "-f", str(EMULATED_VALUES), "--set", "nri.enabled=true",
+                         "--set", "kubeletDir=/var/lib/k0s/kubelet",
+                         "--set", "nri.socket=/run/containerd/nri/nri.sock",
+                         "--set-string", "nri.pluginIndex=10"))
+    nri = m.container("nri")
+    assert nri["image"].startswith("example.com/csi-pmem/csi-pmem-nri:")
+    assert m.env("driver")["CSI_PMEM_DEVICE_NODE"] == "on"
+    args = dict(a.split("=", 1) for a in nri["args"])
+    assert args == {"--nri-socket": "/var/run/nri/nri.sock", "--idx": "10",
+                    "--kubelet-dir": "/var/lib/k0s/kubelet", "--driver-name": DEFAULT_DRIVER_NAME}
+    # Every flag the chart passes is one the plugin defines.
+    flags = set(re.findall(r'flag\.String\("([a-z-]+)"', NRI_MAIN.read_text()))
+    assert {a[2:] for a in args} <= flags, (args, flags)
+    assert m.host_path("nri-socket-dir") == "/run/containerd/nri"
+    mounts = m.mounts("nri")
+    assert set(mounts) == {"nri-socket-dir", "kubelet-dir"}
+    assert mounts["nri-socket-dir"]["mountPath"] == "/var/run/nri"
+    # The publications at their host paths, the driver's tmpfs mounts propagated in;
+    # read-only: the plugin writes nothing there.
+    kd = mounts["kubelet-dir"]
+    assert (kd["mountPath"], kd["mountPropagation"], kd["readOnly"]) == (
+        "/var/lib/k0s/kubelet", "HostToContainer", True)
+    sc = nri["securityContext"]
+    assert sc.get("privileged") is not True and sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
 
 
 # --------------------------------------------------------------------------- GPU copy

@@ -14,6 +14,14 @@ what a restart or crash left, trusting the mount table. The caller (the driver) 
 volume's in-flight slot and has applied the shared policy (target paths, access modes).
 Mounts go through the :class:`~csi_pmem.mounter.Mounter` it is given (a fake in unit
 tests).
+
+With ``device_node`` on (``--device-node on``, the chart's ``nri.enabled``),
+volume.json also names the volume's device node (``device_node``: the path inside the
+container, its type and number) for the NRI plugin (``nri/``), which adds that node to
+each container that mounts this target, so unmodified programs can open
+``/dev/daxX.Y``. The plugin trusts the file because the tmpfs is sealed before
+NodePublishVolume returns and only the driver mounts tmpfs with a ``csi-pmem:`` source;
+dax.sock stays the portable path.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import stat
 
 from csi_pmem import failpoints, mounts
 from csi_pmem.backends.base import Backend, Namespace
@@ -46,13 +56,21 @@ log = logging.getLogger(__name__)
 METADATA_FILE = "volume.json"
 SOCKET_FILE = "dax.sock"
 GPU_SOCKET_FILE = "gpu.sock"
+# Where a device node goes inside the container: a devdax device keeps its name (what
+# PMDK and daxctl-style tools expect); any other node (the emulated back end's loop
+# device) goes to /dev/csi-pmem/<volume id>, a name that cannot collide with the
+# container's own devices. The NRI plugin accepts only these two forms.
+DAX_NAME = re.compile(r"dax[0-9]+\.[0-9]+")
+CONTAINER_DEVICE_DIR = "/dev/csi-pmem"
 
 
 class DevdaxNode:
     def __init__(self, backend: Backend, store: StateStore, dax: DaxSocketServer,
                  driver_name: str, mounter: Mounter,
-                 gpu_copy: ServiceLink | None = None) -> None:
+                 gpu_copy: ServiceLink | None = None, device_node: bool = False) -> None:
         self.backend = backend
+        # volume.json names the device node for the NRI plugin (module docstring).
+        self.device_node = device_node
         self.mounter = mounter
         self.store = store
         self.dax = dax
@@ -121,10 +139,43 @@ class DevdaxNode:
         mounts.check_dir_target(target)
 
     def _metadata(self, rec: VolumeRecord, pub: Publication) -> dict:
-        return {"volume_id": rec.id, "device": rec.device, "numa_node": rec.numa_node,
+        meta = {"volume_id": rec.id, "device": rec.device, "numa_node": rec.numa_node,
                 "size": rec.size, "usable_size": rec.usable_size, "align": rec.align,
                 "readonly": pub.readonly, "driver": self.driver_name,
                 "socket": SOCKET_FILE}
+        if self.device_node:
+            node = self._device_node(rec)
+            if node is not None:
+                meta["device_node"] = node
+        return meta
+
+    def _device_node(self, rec: VolumeRecord) -> dict | None:
+        """volume.json's ``device_node``, or None when the volume's device is no device
+        node (the emulated back end with ``--emulated-device file``)."""
+        ns = self.backend.get(rec.id)
+        device = ns.device if ns is not None else rec.device
+        try:
+            st = os.stat(device)
+        except OSError as exc:
+            log.warning("volume %s: cannot stat its device %s for volume.json's "
+                        "device_node: %s", rec.id, device, exc.strerror)
+            return None
+        if stat.S_ISCHR(st.st_mode):
+            kind = "c"
+        elif stat.S_ISBLK(st.st_mode):
+            kind = "b"
+        else:
+            log.warning("volume %s: its device %s is not a device node (the emulated back "
+                        "end hands out files unless --emulated-device loop): no device_node "
+                        "in volume.json, pods use dax.sock", rec.id, device)
+            return None
+        name = os.path.basename(device)
+        if kind == "c" and DAX_NAME.fullmatch(name):
+            path = f"/dev/{name}"
+        else:
+            path = f"{CONTAINER_DEVICE_DIR}/{rec.id}"
+        return {"path": path, "type": kind, "major": os.major(st.st_rdev),
+                "minor": os.minor(st.st_rdev)}
 
     def _populate(self, rec: VolumeRecord, pub: Publication) -> None:
         """Write volume.json and serve dax.sock in the target's tmpfs, then seal it."""

@@ -4,11 +4,12 @@
 # toolchain. A cold build of the Kubernetes binaries takes 15-25 minutes on 2 cores; a
 # warm run only checks that the binaries are there.
 #
-# Usage: e2e/cluster/build.sh [all|k8s|etcd|provisioner|sidecars|helm|debs]...
+# Usage: e2e/cluster/build.sh [all|k8s|etcd|provisioner|sidecars|helm|debs|containerd|nri]...
 # Env:   CSI_PMEM_CACHE  cache root (default: $HOME/.cache/csi-pmem); binaries land in
 #                        $CSI_PMEM_CACHE/cluster/<name>-<key>/bin
 # Output: the last line of stdout is the path of a directory holding symlinks to all
-#         binaries (the "bin dir" that up.sh and the tests put first on PATH).
+#         binaries (the "bin dir" that up.sh and the tests put first on PATH); with one
+#         target (e.g. containerd, nri), that target's own bin directory.
 #
 # Why wrappers: k8s.io/kubernetes (and the CSI sidecars) replace their k8s.io/<staging>
 # modules with ./staging paths or carry replace directives, so `go install mod@ver`
@@ -143,6 +144,36 @@ build_helm() {
     "-s -w -X helm.sh/helm/v3/internal/version.version=${HELM_VERSION}" helm.sh/helm/v3/cmd/helm
 }
 
+# containerd 2.x with NRI (E2E_NRI=1 in up.sh; "all" leaves it out, so the default test bed
+# builds nothing more). No cgo: the btrfs snapshotter (the one cgo plugin) drops out by
+# its build tag, which the test bed disables anyway; zfs and devmapper are left out too.
+build_containerd() {
+  wrap_build containerd "$(key_of "${CONTAINERD_VERSION}")" "" \
+    "github.com/containerd/containerd/v2 ${CONTAINERD_VERSION}" \
+    "-s -w -X github.com/containerd/containerd/v2/version.Version=${CONTAINERD_VERSION#v}" \
+    -tags "no_zfs no_devmapper no_btrfs" \
+    github.com/containerd/containerd/v2/cmd/containerd \
+    github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
+    github.com/containerd/containerd/v2/cmd/ctr
+}
+
+# The csi-pmem NRI plugin (nri/ in the repository), keyed by its sources.
+build_nri() {
+  local repo; repo="$(cd "${here}/../.." && pwd)"
+  local key; key=$(cat "${repo}"/nri/go.mod "${repo}"/nri/go.sum $(find "${repo}/nri" -name '*.go' | sort) \
+    | key_of "$(cat)")
+  local out="${cdir}/nri-${key}"
+  if [[ -f "${out}/.done" ]]; then log "nri: cached (${out})"; echo "${out}/bin"; return; fi
+  rm -rf "${out}.tmp"; mkdir -p "${out}.tmp/bin"
+  local t0; t0=$(date +%s)
+  log "nri: building"
+  (cd "${repo}/nri" && go build -trimpath -ldflags "-s -w" -o "${out}.tmp/bin/" ./cmd/csi-pmem-nri) >&2
+  rm -rf "${out}"; mv "${out}.tmp" "${out}"
+  echo "$(( $(date +%s) - t0 ))" > "${out}/build-seconds"; touch "${out}/.done"
+  log "nri: built in $(cat "${out}/build-seconds") s"
+  echo "${out}/bin"
+}
+
 # Debian packages the test bed runs (containerd, runc, CNI plugins, image tools).
 DEBS=(containerd runc containernetworking-plugins debootstrap buildah catatonit iproute2 conntrack
   iptables openssl util-linux kmod procps curl)
@@ -180,4 +211,6 @@ if [[ "${#targets[@]}" -ge 6 ]]; then
   done
   log "all binaries in ${bindir} ($(( $(date +%s) - t_all )) s)"
   echo "${bindir}"
+elif [[ "${#targets[@]}" == 1 && "${targets[0]}" != debs ]]; then
+  echo "${dirs[0]}"  # one set (containerd, nri): its own bin directory
 fi

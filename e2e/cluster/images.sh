@@ -6,6 +6,8 @@
 #   workload     the driver image's layers, run as uid 1000 by default: the unprivileged
 #                test pods
 #   provisioner, registrar, livenessprobe: one static Go binary each (from build.sh)
+#   csi-pmem-nri the NRI plugin, one static binary, only with E2E_NRI_BIN (its path:
+#                build.sh nri's directory + /csi-pmem-nri)
 # Every tarball is cached under $CSI_PMEM_CACHE/cluster/images keyed by its inputs, so a
 # warm run only checks. Prints the path of an env file with the image references.
 #
@@ -44,7 +46,7 @@ bin_layer() {  # bin_layer NAME SRC_PATH -> path of a layer tar holding /NAME
   echo "${out}"
 }
 
-env_file="${idir}/images-$(printf '%s\n' "${app_key}" "$(sha256sum "${bindir}"/* /usr/bin/catatonit 2>/dev/null)" | h).env"
+env_file="${idir}/images-$(printf '%s\n' "${app_key}" "$(sha256sum "${bindir}"/* /usr/bin/catatonit ${E2E_NRI_BIN:+"${E2E_NRI_BIN}"} 2>/dev/null)" | h).env"
 : > "${env_file}.tmp"
 image() {  # image VAR NAME TAG ARCHIVE_ARGS...
   local var=$1 name=$2 tag=$3; shift 3
@@ -72,6 +74,11 @@ for pair in PROVISIONER_IMAGE:csi-provisioner REGISTRAR_IMAGE:csi-node-driver-re
   image "${var}" "${b}" "$(sha256sum "${layer}" | h)" --layer "${layer}" \
     --entrypoint "[\"/${b}\"]"
 done
+if [[ -n "${E2E_NRI_BIN:-}" ]]; then
+  layer=$(bin_layer csi-pmem-nri "${E2E_NRI_BIN}")
+  image NRI_IMAGE csi-pmem-nri "$(sha256sum "${layer}" | h)" --layer "${layer}" \
+    --entrypoint '["/csi-pmem-nri"]'
+fi
 mv "${env_file}.tmp" "${env_file}"
 # Keep the cache from growing with every source change: drop archives and layers that
 # the current env file does not use (the driver image lives in make image's cache; base-*

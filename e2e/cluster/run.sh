@@ -6,6 +6,7 @@
 #   --keep   leave the cluster running after the tests (down.sh later, by hand)
 # Env: CSI_PMEM_CACHE (binary and image cache), E2E_ROOT (default /tmp/csi-pmem-e2e),
 #      E2E_RESULTS (default build/e2e-cluster): junit.xml, results.json, timings, logs.
+#      E2E_NRI=1: containerd 2.x with NRI (build.sh containerd nri) and test_nri.py too.
 set -euo pipefail
 shopt -s inherit_errexit
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -43,6 +44,15 @@ flock -n 9 || { echo "run.sh: another e2e-cluster run holds /tmp/csi-pmem-e2e-cl
   || .venv/bin/python -m pip install -q -e '.[e2e]'
 
 s=$(date +%s); bindir=$(bash "${here}/build.sh" all | tail -1); step build "${s}"
+tests=("${here}/test_cluster.py")
+if [[ "${E2E_NRI:-0}" == 1 ]]; then
+  s=$(date +%s)
+  E2E_CONTAINERD_BIN=$(bash "${here}/build.sh" containerd | tail -1)
+  E2E_NRI_BIN="$(bash "${here}/build.sh" nri | tail -1)/csi-pmem-nri"
+  export E2E_CONTAINERD_BIN E2E_NRI_BIN
+  step build-nri "${s}"
+  tests+=("${here}/test_nri.py")
+fi
 s=$(date +%s); images_env=$(bash "${here}/images.sh" "${bindir}" | tail -1); step images "${s}"
 
 cleanup() {
@@ -67,7 +77,7 @@ step up "${s}"
 s=$(date +%s)
 E2E_CLUSTER_ENV="${cluster_env}" E2E_RESULTS="${results}" \
   .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=0 \
-  --junitxml "${results}/junit.xml" "${here}/test_cluster.py" ${pytest_args[@]+"${pytest_args[@]}"} \
+  --junitxml "${results}/junit.xml" "${tests[@]}" ${pytest_args[@]+"${pytest_args[@]}"} \
   || rc=$?
 step tests "${s}"
 exit "${rc:-0}"

@@ -28,6 +28,9 @@ NODE_NAME="${E2E_NODE_NAME:-csi-pmem-e2e-node}"
 # containerd's device_ownership_from_security_context; false shows what users without
 # it get (test_cluster.py then expects EACCES on Block devices).
 DEVICE_OWNERSHIP="${E2E_DEVICE_OWNERSHIP:-true}"
+# E2E_NRI=1: containerd 2.x from E2E_CONTAINERD_BIN (build.sh containerd) with NRI on,
+# its socket at $ROOT/nri/nri.sock (nri_config below); Debian's runc either way.
+NRI="${E2E_NRI:-0}"
 export PATH="${bindir}:${PATH}"
 log() { echo "up: [$(date +%T)] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -35,6 +38,12 @@ die() { log "ERROR: $*"; exit 1; }
 [[ "$(id -u)" == 0 ]] || die "run as root (mounts, cgroups, network interfaces)"
 [[ "${DEVICE_OWNERSHIP}" == true || "${DEVICE_OWNERSHIP}" == false ]] \
   || die "E2E_DEVICE_OWNERSHIP must be true or false, not ${DEVICE_OWNERSHIP}"
+[[ "${NRI}" == 0 || "${NRI}" == 1 ]] || die "E2E_NRI must be 0 or 1, not ${NRI}"
+if [[ "${NRI}" == 1 ]]; then
+  [[ -x "${E2E_CONTAINERD_BIN:-}/containerd" ]] \
+    || die "E2E_NRI=1 needs E2E_CONTAINERD_BIN, the directory build.sh containerd prints"
+  PATH="$(readlink -f "${E2E_CONTAINERD_BIN}"):${PATH}"
+fi
 for b in etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do
   [[ -x "${bindir}/${b}" ]] || die "${bindir}/${b} missing: run e2e/cluster/build.sh"
 done
@@ -160,6 +169,22 @@ start etcd etcd --name e2e --data-dir "${ROOT}/etcd" \
 wait_for etcd 60 curl -sf "http://127.0.0.1:${ETCD_PORT}/health"
 
 # ---------------------------------------------------------------- containerd
+# The NRI section of containerd's config (E2E_NRI=1; containerd 2.x reads the version 2
+# config below and migrates it). No plugin_path: the only plugin is the chart's, which
+# connects to the socket itself.
+nri_socket=""
+[[ "${NRI}" == 1 ]] && nri_socket="${ROOT}/nri/nri.sock"
+nri_config() {
+  [[ "${NRI}" == 1 ]] || return 0
+  mkdir -p "${ROOT}/nri"
+  cat <<EOF
+[plugins."io.containerd.nri.v1.nri"]
+  disable = false
+  socket_path = "${nri_socket}"
+  plugin_path = ""
+  plugin_config_path = ""
+EOF
+}
 # Started early: importing the images overlaps with the control plane's start.
 ctrd="${ROOT}/containerd"
 # shellcheck disable=SC1090
@@ -208,6 +233,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     conf_dir = "${ROOT}/cni/net.d"
     max_conf_num = 1
 EOF
+nri_config >> "${ctrd}/config.toml"
 write_cni_conf "${ROOT}"
 start containerd containerd --config "${ctrd}/config.toml" --log-level warn
 ctr_() { ctr --address "${ctrd}/containerd.sock" -n k8s.io "$@"; }
@@ -215,8 +241,9 @@ wait_for containerd 30 ctr_ version
 import_images() {
   local t0; t0=$(date +%s)
   local v
-  for v in PAUSE DRIVER WORKLOAD PROVISIONER REGISTRAR LIVENESSPROBE; do
+  for v in PAUSE DRIVER WORKLOAD PROVISIONER REGISTRAR LIVENESSPROBE NRI; do
     local a="${v}_IMAGE_ARCHIVE"
+    [[ "${v}" == NRI && -z "${!a:-}" ]] && continue  # images.sh made it (E2E_NRI=1)
     ctr_ images import --no-unpack=false "${!a}" > /dev/null
   done
   # Pin the sandbox image so kubelet's image GC never removes it.
@@ -328,6 +355,9 @@ BIN_DIR=${bindir}
 CONTAINERD_SOCK=${ctrd}/containerd.sock
 STATE_DIR=${ROOT}/csi-pmem-state
 DEVICE_OWNERSHIP_FROM_SECURITY_CONTEXT=${DEVICE_OWNERSHIP}
+NRI=${NRI}
+NRI_SOCKET=${nri_socket}
+CONTAINERD_VERSION=$(containerd --version | cut -d' ' -f3)
 EOF
 grep -E '^[A-Z_]+_IMAGE=' "${images_env}" >> "${ROOT}/cluster.env"
 trap - ERR

@@ -16,3 +16,8 @@ REGISTRAR_COMMIT=c5794c45f34ce9c62e47dfd5a2b073c3824f2c79
 LIVENESSPROBE_TAG=v2.19.0
 LIVENESSPROBE_COMMIT=d2d15a5e8217cc9f8680821ee649b6a051b38d96
 HELM_VERSION=v3.22.0           # helm.sh/helm/v3
+# containerd 2.x for the NRI test bed (up.sh E2E_NRI=1): Debian's 1.6 has no NRI. Its
+# runc stays Debian's (1.1.5). NRI_VERSION is the github.com/containerd/nri this
+# containerd requires (its go.mod), which the plugin in nri/ pins too.
+CONTAINERD_VERSION=v2.4.2     # github.com/containerd/containerd/v2
+NRI_VERSION=v0.12.3

@@ -69,13 +69,15 @@ class _Stub:
 class InProcessNode:
     """One node: the base directory holds kubelet/, state/, pools/ and the fake's host/."""
 
-    def __init__(self, regions: dict[int, int] | None = None) -> None:
+    def __init__(self, regions: dict[int, int] | None = None, *,
+                 device_node: bool = False) -> None:
         # Short: dax.sock paths below the kubelet dir must fit a unix socket address.
         self.base = Path(tempfile.mkdtemp(prefix="csiu-"))
         self.kubelet = self.base / "kubelet"
         self.kubelet.mkdir()
         self.state = self.base / "state"
         self.regions = regions or {0: 512 * MiB, 1: 512 * MiB}
+        self.device_node = device_node  # the driver's --device-node on
         self.fake = FakeMounter(self.base / "host")
         # The dax.sock server reads a peer's /proc/<pid>/cgroup here (see pod()).
         self.proc = self.base / "proc"
@@ -88,7 +90,8 @@ class InProcessNode:
         self.backend = EmulatedBackend(self.base / "pools", self.regions, loops=self.fake)
         self.dax = DaxSocketServer(proc_root=str(self.proc))
         self.driver = Driver(DriverConfig(driver_name=DRIVER_NAME, node_id=NODE_ID,
-                                          kubelet_dir=str(self.kubelet)),
+                                          kubelet_dir=str(self.kubelet),
+                                          device_node=self.device_node),
                              self.backend, StateStore(str(self.state)), self.dax,
                              mounter=self.fake)
         self.driver.reconcile()

@@ -7,6 +7,7 @@ The driver runs here as an ordinary user over the emulated back end and the fake
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -248,3 +249,67 @@ def test_reconcile_reports_orphans_and_rolls_back_interrupted_creates(node):
     assert node.driver.orphans == [lost]
     assert {ns.name for ns in node.backend.namespaces()} == {kept, lost}
     assert node.record(half) is None
+
+
+# ---------------------------------------------------------------- device_node (NRI)
+def _meta(target: str) -> dict:
+    with open(os.path.join(target, "volume.json")) as f:
+        return json.load(f)
+
+
+def test_volume_json_names_no_device_node_unless_asked(node):
+    vid = node.create("vol").volume.volume_id
+    target = node.target("pod-a")
+    node.publish(vid, target, pod_uid=POD)
+    assert "device_node" not in _meta(target)
+
+
+@pytest.fixture(name="nri_node")
+def nri_node_fixture():
+    n = InProcessNode(device_node=True)
+    yield n
+    n.close()
+
+
+def test_a_file_backed_volume_gets_no_device_node_and_says_why(nri_node, caplog):
+    vid = nri_node.create("vol").volume.volume_id
+    target = nri_node.target("pod-a")
+    nri_node.publish(vid, target, pod_uid=POD)
+    assert "device_node" not in _meta(target)
+    assert any("is not a device node" in r.getMessage() and vid in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_device_node_is_named_with_its_number_and_path_in_the_container(
+        nri_node, monkeypatch, readonly):
+    vid = nri_node.create("vol").volume.volume_id
+    real_get = nri_node.backend.get
+
+    def get(name):  # the volume's device is a real character device (not a devdax name)
+        ns = real_get(name)
+        return dataclasses.replace(ns, device="/dev/null") if ns is not None else None
+
+    monkeypatch.setattr(nri_node.backend, "get", get)
+    target = nri_node.target("pod-a")
+    nri_node.publish(vid, target, pod_uid=POD, readonly=readonly)
+    st = os.stat("/dev/null")
+    meta = _meta(target)
+    assert meta["device_node"] == {"path": f"/dev/csi-pmem/{vid}", "type": "c",
+                                   "major": os.major(st.st_rdev),
+                                   "minor": os.minor(st.st_rdev)}
+    assert meta["readonly"] is readonly
+    assert nri_node.fake.find(target).readonly  # sealed: what the plugin checks
+
+
+def test_a_devdax_device_keeps_its_name(nri_node, monkeypatch):
+    vid = nri_node.create("vol").volume.volume_id
+    real_get = nri_node.backend.get
+    fake_dax = nri_node.base / "dax3.1"
+    os.symlink("/dev/zero", fake_dax)  # a character device whose name is a devdax name
+    monkeypatch.setattr(nri_node.backend, "get", lambda name: dataclasses.replace(
+        real_get(name), device=str(fake_dax)))
+    target = nri_node.target("pod-a")
+    nri_node.publish(vid, target, pod_uid=POD)
+    assert _meta(target)["device_node"]["path"] == "/dev/dax3.1"
+    assert _meta(target)["device_node"]["type"] == "c"
