@@ -25,7 +25,7 @@ run: setup
 	  --metrics-address 127.0.0.1:9670
 
 # Everything CI runs: stubs, lint, all host tests (csi-sanity included), the VM tier, and
-# the single-node Kubernetes tier (cold ~14 min for its builds, warm ~2.5 min).
+# the two-node Kubernetes tier (cold ~14 min for its builds, warm ~6 min).
 test: check e2e-vm e2e-cluster
 
 # The host tiers only (about 5 minutes, as root): the unit tier, then the integration tier
@@ -96,12 +96,14 @@ bench: setup
 e2e-vm: setup tools
 	CSI_SANITY_REQUIRED=1 bash e2e/vm/run.sh $(E2E_VM_ARGS)
 
-# The cluster tier: a real single-node Kubernetes 1.36 (etcd, apiserver, controller-manager,
-# scheduler, kubelet, containerd + runc, a CNI bridge) under /tmp/csi-pmem-e2e, the chart
-# installed with helm, e2e/cluster/test_cluster.py against it; torn down on every exit.
-# Needs root. Binaries and images are cached in $(CSI_PMEM_CACHE)/cluster: cold (empty Go
-# and binary caches) about 14 min on 2 cores, warm about 2.5 min. E2E_CLUSTER_ARGS passes
-# options, e.g. "--keep -- -k numa" (e2e/cluster/README.md).
+# The cluster tier: a real two-node Kubernetes 1.36 (etcd, apiserver, controller-manager,
+# scheduler; per node a kubelet, containerd + runc and a CNI bridge) under
+# /tmp/csi-pmem-e2e, the chart installed with helm, e2e/cluster/test_cluster.py (node A)
+# and test_two_nodes.py against it; torn down on every exit. Needs root. Binaries and
+# images are cached in $(CSI_PMEM_CACHE)/cluster: cold (empty Go and binary caches)
+# about 14 min on 2 cores, warm about 6 min (E2E_NODES=1: one node, test_cluster.py only,
+# about 3). E2E_CLUSTER_ARGS passes options, e.g. "--keep -- -k numa"
+# (e2e/cluster/README.md).
 e2e-cluster: setup
 	bash e2e/cluster/run.sh $(E2E_CLUSTER_ARGS)
 

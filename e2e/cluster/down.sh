@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Tear down what up.sh started, by recorded PID, and everything it left behind: pod
-# containers and their containerd shims, every mount below the temp root (kubelet pod
+# Tear down what up.sh started, by recorded PID, and everything it left behind on every
+# node: pod containers and their containerd shims, every mount below the temp root (kubelet pod
 # volumes, the driver's tmpfs publishes, overlay roots, netns files), the cgroups, the
 # interfaces and iptables chains it created. Safe to run twice, and after a failed or
 # half-finished up.sh. Copies the logs to $E2E_LOG_DIR (default build/e2e-cluster/logs)
@@ -44,16 +44,24 @@ stop_recorded() {  # stop_recorded NAME
   rm -f "${f}"
 }
 
-# 1. kubelet and the controllers first, so nothing restarts the pods we stop next.
-stop_recorded kubelet kubelet
+# 1. kubelets and the controllers first, so nothing restarts the pods we stop next.
+#    Every node up.sh may have started (MAX_NODES, net.sh), recorded or not.
+for ((n = 0; n < MAX_NODES; n++)); do
+  node_vars "${ROOT}" "${n}"
+  stop_recorded "kubelet${N_SUFFIX}" kubelet
+done
 stop_recorded kube-controller-manager kube-controller-manager
 stop_recorded kube-scheduler kube-scheduler
 
-# 2. Pod containers: kill every task through our containerd while it still runs, then
-#    stop the shims by the PIDs containerd recorded for them (shim.pid in each bundle).
-ctrd="${ROOT}/containerd"
+# 2. Pod containers, node by node: kill every task through the node's containerd while
+#    it still runs, then stop the shims by the PIDs containerd recorded for them
+#    (shim.pid in each bundle).
+for ((n = 0; n < MAX_NODES; n++)); do
+node_vars "${ROOT}" "${n}"
+ctrd="${N_ROOT}/containerd"
 sock="${ctrd}/containerd.sock"
-if [[ -S "${sock}" ]] && kill -0 "$(cat "${ROOT}/pids/containerd.pid" 2>/dev/null)" 2>/dev/null
+if [[ -S "${sock}" ]] \
+    && kill -0 "$(cat "${ROOT}/pids/containerd${N_SUFFIX}.pid" 2>/dev/null)" 2>/dev/null
 then
   ctr_() { timeout 20 ctr --address "${sock}" -n k8s.io "$@"; }
   for t in $(ctr_ tasks ls -q 2>/dev/null); do
@@ -77,7 +85,8 @@ for f in "${ctrd}"/state/io.containerd.runtime.v2.task/*/*/init.pid; do
     kill -KILL "${pid}" 2>/dev/null && log "killed container init ${pid}"
   fi
 done
-stop_recorded containerd "${ctrd}/config.toml"
+stop_recorded "containerd${N_SUFFIX}" "${ctrd}/config.toml"
+done
 
 # 3. Control plane.
 stop_recorded kube-apiserver kube-apiserver
@@ -166,7 +175,8 @@ fi
 if [[ -d "${ROOT}/logs" ]]; then
   rm -rf "${LOG_DIR}"; mkdir -p "${LOG_DIR}"
   cp -r "${ROOT}/logs/." "${LOG_DIR}/" 2>/dev/null
-  find "${ROOT}/pod-logs" -name '*.log' 2>/dev/null | while read -r f; do
+  find "${ROOT}/pod-logs" "${ROOT}"/node-*/pod-logs -name '*.log' 2>/dev/null \
+      | while read -r f; do
     d="${LOG_DIR}/pods/$(basename "$(dirname "$(dirname "${f}")")")"
     mkdir -p "${d}"; cp "${f}" "${d}/$(basename "$(dirname "${f}")")-$(basename "${f}")"
   done

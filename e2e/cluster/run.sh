@@ -5,7 +5,9 @@
 # Usage: e2e/cluster/run.sh [--keep] [-- PYTEST_ARGS...]
 #   --keep   leave the cluster running after the tests (down.sh later, by hand)
 # Env: CSI_PMEM_CACHE (binary and image cache), E2E_ROOT (default /tmp/csi-pmem-e2e),
-#      E2E_RESULTS (default build/e2e-cluster): junit.xml, results.json, timings, logs.
+#      E2E_RESULTS (default build/e2e-cluster): junit.xml, results.json, timings, logs,
+#      E2E_NODES (default 2): 2 runs test_cluster.py on node A, then test_two_nodes.py
+#      on both; 1 brings up node A alone and runs test_cluster.py only.
 #      E2E_NRI=1: containerd 2.x with NRI (build.sh containerd nri) and test_nri.py too.
 set -euo pipefail
 shopt -s inherit_errexit
@@ -18,15 +20,19 @@ while (($#)); do
   case "$1" in
     --keep) keep=1 ;;
     --) shift; pytest_args=("$@"); break ;;
-    -h|--help) sed -n 2,9p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,11p "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
 done
 export E2E_ROOT="${E2E_ROOT:-/tmp/csi-pmem-e2e}"
+export E2E_NODES="${E2E_NODES:-2}"
+tests=("${here}/test_cluster.py")
+[[ "${E2E_NODES}" == 1 ]] || tests+=("${here}/test_two_nodes.py")
 results="${E2E_RESULTS:-${repo}/build/e2e-cluster}"
 mkdir -p "${results}"
-rm -rf "${results}/driver-logs" "${results}/results.json" "${results}/junit.xml"
+rm -rf "${results}/driver-logs" "${results}/results.json" "${results}/junit.xml" \
+  "${results}/results-two-nodes.json"
 export E2E_LOG_DIR="${results}/logs"
 timings="${results}/timings.txt"
 : > "${timings}"

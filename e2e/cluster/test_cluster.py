@@ -196,9 +196,11 @@ class Cluster:
                      "volumeMode": mode, "resources": {"requests": {"storage": size}}}})
 
     def pod(self, name: str, claim: str, *args: str, readonly: bool = False,
-            block: bool = False, fs_group: int | None = None) -> None:
+            block: bool = False, fs_group: int | None = None,
+            node_selector: dict[str, str] | None = None) -> None:
         """An unprivileged pod (restricted) running workload.py with ``args``; the claim
-        is mounted at /data, or with ``block`` given as the device DEVICE_PATH."""
+        is mounted at /data, or with ``block`` given as the device DEVICE_PATH;
+        ``node_selector`` pins it (test_two_nodes.py)."""
         container: dict[str, Any] = {
             "name": "w", "image": self.env["WORKLOAD_IMAGE"], "imagePullPolicy": "Never",
             "command": ["python3", "/e2e/workload.py", *args],
@@ -225,6 +227,7 @@ class Cluster:
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": 2,
                 "securityContext": pod_sc,
+                **({"nodeSelector": node_selector} if node_selector else {}),
                 "containers": [container],
                 "volumes": [
                     {"name": "data", "persistentVolumeClaim": {"claimName": claim,
@@ -360,6 +363,9 @@ def release(k: Cluster):
           # scheduler can see in real life (and gets RESOURCE_EXHAUSTED, not a filter).
           "--set", "provisioner.capacityPollInterval=10m",
           "--set", "driver.logFormat=text",
+          # Node A only: with E2E_NODES=2 node B has another kubelet dir (and
+          # test_two_nodes.py installs a release per node).
+          "--set-json", "nodeSelector=" + json.dumps({"kubernetes.io/hostname": k.node}),
           *image("driver", env["DRIVER_IMAGE"]),
           *image("provisioner", env["PROVISIONER_IMAGE"]),
           *image("registrar", env["REGISTRAR_IMAGE"]),

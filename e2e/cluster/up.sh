@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Bring up a real single-node Kubernetes on this host, everything under one temp root:
-# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, containerd + runc (own
-# config, state, socket), kubelet (cgroupfs driver, cgroup v1 allowed, root dir under the
-# temp root) and a CNI bridge. Every process started is recorded in $E2E_ROOT/pids and
-# stopped by down.sh, which also runs on any failure here.
+# Bring up a real Kubernetes of one or two nodes on this host, everything under one temp
+# root: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, and per node a
+# containerd + runc (own config, root, state, socket), a kubelet (cgroupfs driver, cgroup
+# v1 allowed, root dir under the temp root) and a CNI bridge with its own pod subnet.
+# Every process started is recorded in $E2E_ROOT/pids and stopped by down.sh, which also
+# runs on any failure here.
 #
 # Usage: e2e/cluster/up.sh BIN_DIR IMAGES_ENV     (outputs of build.sh and images.sh)
 # Env:   E2E_ROOT  temp root (default /tmp/csi-pmem-e2e); must not exist or be a
 #                  leftover that down.sh cleans first
-# Writes $E2E_ROOT/cluster.env (KUBECONFIG, KUBELET_DIR, NODE_NAME, images, ...).
+#        E2E_NODES 1 or 2 (default 2): node A only, or node A and node B (net.sh,
+#                  node_vars: node B's pieces live below $E2E_ROOT/node-b)
+# Writes $E2E_ROOT/cluster.env (KUBECONFIG, KUBELET_DIR, NODE_NAME, images, and for
+# node B NODE_B_NAME, NODE_B_KUBELET_DIR, ...).
 #
 # Network hygiene: apiserver and kubelet listen on the cluster bridge's own address,
 # etcd and the controllers on loopback; pods get a route to the bridge subnet and the
@@ -24,7 +28,9 @@ images_env="$(readlink -f "${2:?usage: up.sh BIN_DIR IMAGES_ENV}")"
 # shellcheck source=net.sh
 . "${here}/net.sh"
 ROOT="${E2E_ROOT:-/tmp/csi-pmem-e2e}"
-NODE_NAME="${E2E_NODE_NAME:-csi-pmem-e2e-node}"
+NODES="${E2E_NODES:-2}"
+node_vars "${ROOT}" 0
+NODE_NAME="${N_NAME}"
 # containerd's device_ownership_from_security_context; false shows what users without
 # it get (test_cluster.py then expects EACCES on Block devices).
 DEVICE_OWNERSHIP="${E2E_DEVICE_OWNERSHIP:-true}"
@@ -36,6 +42,8 @@ log() { echo "up: [$(date +%T)] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 [[ "$(id -u)" == 0 ]] || die "run as root (mounts, cgroups, network interfaces)"
+[[ "${NODES}" =~ ^[0-9]+$ ]] && ((NODES >= 1 && NODES <= MAX_NODES)) \
+  || die "E2E_NODES must be 1 to ${MAX_NODES}, not ${NODES}"
 [[ "${DEVICE_OWNERSHIP}" == true || "${DEVICE_OWNERSHIP}" == false ]] \
   || die "E2E_DEVICE_OWNERSHIP must be true or false, not ${DEVICE_OWNERSHIP}"
 [[ "${NRI}" == 0 || "${NRI}" == 1 ]] || die "E2E_NRI must be 0 or 1, not ${NRI}"
@@ -62,6 +70,7 @@ fi
 
 on_fail() {
   local rc=$?
+  ((rc)) || return 0
   log "failed (rc ${rc}); last lines of the logs:"
   for f in "${ROOT}"/logs/*.log; do
     [[ -f "${f}" ]] && { echo "--- ${f}" >&2; tail -5 "${f}" >&2; }
@@ -69,11 +78,17 @@ on_fail() {
   [[ -n "${E2E_KEEP_ON_FAILURE:-}" ]] || E2E_ROOT="${ROOT}" "${here}/down.sh" || true
   exit "${rc}"
 }
-trap on_fail ERR
+# On EXIT, not ERR: die and a failure inside a function (errexit) end here too.
+trap on_fail EXIT
 
 t_up=$(date +%s)
-mkdir -p "${ROOT}"/{pids,logs,pki,etcd,containerd,cni/net.d,cni/ipam,kubelet,pod-logs,runc}
+mkdir -p "${ROOT}"/{pids,logs,pki,etcd}
+for ((i = 0; i < NODES; i++)); do
+  node_vars "${ROOT}" "${i}"
+  mkdir -p "${N_ROOT}"/{containerd,cni/net.d,cni/ipam,kubelet,pod-logs,runc}
+done
 echo "ROOT=${ROOT}" > "${ROOT}/state.env"
+echo "NODES=${NODES}" >> "${ROOT}/state.env"
 # Two host paths are fixed in the components: kubelet's /var/log/containers symlinks and
 # the containerd shims' socket directory /run/containerd/s. down.sh removes what we add
 # there, and the directories themselves when they did not exist before.
@@ -89,7 +104,7 @@ echo "ROOT_BIND=1" >> "${ROOT}/state.env"
 
 # ---------------------------------------------------------------- network
 for m in overlay bridge veth dummy br_netfilter; do modprobe -q "${m}" 2>/dev/null || true; done
-net_up "${ROOT}"
+net_up "${ROOT}" "${NODES}"
 
 # ---------------------------------------------------------------- certificates
 pki="${ROOT}/pki"
@@ -113,8 +128,11 @@ pki="${ROOT}/pki"
   cert admin "/O=system:masters/CN=csi-pmem-e2e-admin"
   cert controller-manager "/CN=system:kube-controller-manager"
   cert scheduler "/CN=system:kube-scheduler"
-  cert kubelet-client "/O=system:nodes/CN=system:node:${NODE_NAME}"
-  cert kubelet "/CN=${NODE_NAME}" "IP:${APISERVER_IP},DNS:${NODE_NAME}"
+  for ((i = 0; i < NODES; i++)); do
+    node_vars "${ROOT}" "${i}"
+    cert "kubelet${N_SUFFIX}-client" "/O=system:nodes/CN=system:node:${N_NAME}"
+    cert "kubelet${N_SUFFIX}" "/CN=${N_NAME}" "IP:${N_IP},DNS:${N_NAME}"
+  done
 )
 server="https://${APISERVER_IP}:${APISERVER_PORT}"
 kubeconfig() {  # kubeconfig NAME CERT
@@ -136,7 +154,10 @@ EOF
 kubeconfig admin admin
 kubeconfig controller-manager controller-manager
 kubeconfig scheduler scheduler
-kubeconfig kubelet kubelet-client
+for ((i = 0; i < NODES; i++)); do
+  node_vars "${ROOT}" "${i}"
+  kubeconfig "kubelet${N_SUFFIX}" "kubelet${N_SUFFIX}-client"
+done
 export KUBECONFIG="${ROOT}/admin.kubeconfig"
 
 start() {  # start NAME CMD... : run in its own session, record the PID
@@ -174,21 +195,26 @@ wait_for etcd 60 curl -sf "http://127.0.0.1:${ETCD_PORT}/health"
 # connects to the socket itself.
 nri_socket=""
 [[ "${NRI}" == 1 ]] && nri_socket="${ROOT}/nri/nri.sock"
-nri_config() {
+nri_config() {  # after node_vars: each node its own NRI socket (node A: nri_socket)
   [[ "${NRI}" == 1 ]] || return 0
-  mkdir -p "${ROOT}/nri"
+  mkdir -p "${N_ROOT}/nri"
   cat <<EOF
 [plugins."io.containerd.nri.v1.nri"]
   disable = false
-  socket_path = "${nri_socket}"
+  socket_path = "${N_ROOT}/nri/nri.sock"
   plugin_path = ""
   plugin_config_path = ""
 EOF
 }
-# Started early: importing the images overlaps with the control plane's start.
-ctrd="${ROOT}/containerd"
+# One per node, each with its own config, root, state, socket, runc root and CNI
+# config. Started early: importing the images overlaps with the control plane's start.
 # shellcheck disable=SC1090
 . "${images_env}"
+# (The bodies of containerd_up and kubelet_up are the single-node script's lines, not
+# re-indented, with the node's names from node_vars.)
+containerd_up() {  # containerd_up I: start node I's containerd, import the images
+node_vars "${ROOT}" "$1"
+local ctrd="${N_ROOT}/containerd"
 cat > "${ctrd}/config.toml" <<EOF
 version = 2
 root = "${ctrd}/root"
@@ -227,31 +253,34 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
-        Root = "${ROOT}/runc"
+        Root = "${N_ROOT}/runc"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
-    conf_dir = "${ROOT}/cni/net.d"
+    conf_dir = "${N_ROOT}/cni/net.d"
     max_conf_num = 1
 EOF
 nri_config >> "${ctrd}/config.toml"
-write_cni_conf "${ROOT}"
-start containerd containerd --config "${ctrd}/config.toml" --log-level warn
-ctr_() { ctr --address "${ctrd}/containerd.sock" -n k8s.io "$@"; }
-wait_for containerd 30 ctr_ version
-import_images() {
+write_cni_conf "${N_ROOT}"
+start "containerd${N_SUFFIX}" containerd --config "${ctrd}/config.toml" --log-level warn
+wait_for "containerd${N_SUFFIX}" 30 ctr --address "${ctrd}/containerd.sock" version
+import_images "${ctrd}/containerd.sock" > "${ROOT}/logs/import${N_SUFFIX}.log" 2>&1 &
+import_pids+=("$!")
+}
+import_images() {  # import_images SOCKET: every image into one node's containerd
   local t0; t0=$(date +%s)
+  ctr_() { ctr --address "$1" -n k8s.io "${@:2}"; }
   local v
   for v in PAUSE DRIVER WORKLOAD PROVISIONER REGISTRAR LIVENESSPROBE NRI; do
     local a="${v}_IMAGE_ARCHIVE"
     [[ "${v}" == NRI && -z "${!a:-}" ]] && continue  # images.sh made it (E2E_NRI=1)
-    ctr_ images import --no-unpack=false "${!a}" > /dev/null
+    ctr_ "$1" images import --no-unpack=false "${!a}" > /dev/null
   done
   # Pin the sandbox image so kubelet's image GC never removes it.
-  ctr_ images label "${PAUSE_IMAGE}" io.cri-containerd.pinned=pinned > /dev/null
-  echo "$(( $(date +%s) - t0 ))" > "${ROOT}/logs/import-seconds"
+  ctr_ "$1" images label "${PAUSE_IMAGE}" io.cri-containerd.pinned=pinned > /dev/null
+  echo "$(( $(date +%s) - t0 ))"
 }
-import_images > "${ROOT}/logs/import.log" 2>&1 &
-import_pid=$!
+import_pids=()
+for ((i = 0; i < NODES; i++)); do containerd_up "${i}"; done
 
 # ---------------------------------------------------------------- control plane
 start kube-apiserver kube-apiserver \
@@ -288,29 +317,36 @@ start kube-scheduler kube-scheduler \
 # ---------------------------------------------------------------- kubelet
 # kubelet's pods go below a cgroup of our own in every v1 hierarchy (and the unified
 # one): down.sh removes it, and nothing of ours lands in the host's top-level cgroups.
+# Node B's is below node A's (net.sh, node_vars), so one sweep of it finds every pod.
 for c in /sys/fs/cgroup/*/; do
-  mkdir -p "${c}${CGROUP_ROOT}"
-  if [[ -f "${c}cpuset.cpus" ]]; then
-    cat "${c}cpuset.cpus" > "${c}${CGROUP_ROOT}/cpuset.cpus"
-    cat "${c}cpuset.mems" > "${c}${CGROUP_ROOT}/cpuset.mems"
-  fi
+  for ((i = 0; i < NODES; i++)); do
+    node_vars "${ROOT}" "${i}"
+    mkdir -p "${c}${N_CGROUP}"
+    if [[ -f "${c}cpuset.cpus" ]]; then
+      cat "${c}cpuset.cpus" > "${c}${N_CGROUP}/cpuset.cpus"
+      cat "${c}cpuset.mems" > "${c}${N_CGROUP}/cpuset.mems"
+    fi
+  done
 done
 echo "CGROUP_ROOT=${CGROUP_ROOT}" >> "${ROOT}/state.env"
 : > "${ROOT}/resolv.conf"   # hostNetwork pods with dnsPolicy Default: no server at all
-cat > "${ROOT}/kubelet-config.yaml" <<EOF
+kubelet_up() {  # kubelet_up I: start node I's kubelet
+node_vars "${ROOT}" "$1"
+local ctrd="${N_ROOT}/containerd"
+cat > "${N_ROOT}/kubelet-config.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 failCgroupV1: false
 cgroupDriver: cgroupfs
-cgroupRoot: /${CGROUP_ROOT}
+cgroupRoot: /${N_CGROUP}
 containerRuntimeEndpoint: unix://${ctrd}/containerd.sock
-address: ${APISERVER_IP}
+address: ${N_IP}
 port: ${KUBELET_PORT}
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
-healthzPort: ${KUBELET_HEALTHZ_PORT}
-tlsCertFile: ${pki}/kubelet.crt
-tlsPrivateKeyFile: ${pki}/kubelet.key
+healthzPort: ${N_HEALTHZ_PORT}
+tlsCertFile: ${pki}/kubelet${N_SUFFIX}.crt
+tlsPrivateKeyFile: ${pki}/kubelet${N_SUFFIX}.key
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: true}
@@ -319,8 +355,8 @@ authorization: {mode: Webhook}
 resolvConf: ${ROOT}/resolv.conf
 clusterDomain: cluster.local
 clusterDNS: [${CLUSTER_DNS_IP}]
-podLogsDir: ${ROOT}/pod-logs
-volumePluginDir: ${ROOT}/kubelet/volume-plugins
+podLogsDir: ${N_ROOT}/pod-logs
+volumePluginDir: ${N_ROOT}/kubelet/volume-plugins
 makeIPTablesUtilChains: false
 failSwapOn: false
 staticPodPath: ""
@@ -334,16 +370,26 @@ evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available:
 enforceNodeAllocatable: [pods]
 maxPods: 50
 EOF
-start kubelet kubelet --config "${ROOT}/kubelet-config.yaml" \
-  --kubeconfig "${ROOT}/kubelet.kubeconfig" --root-dir "${ROOT}/kubelet" \
-  --hostname-override "${NODE_NAME}" --node-ip "${APISERVER_IP}" --v=1
-wait "${import_pid}" || die "image import failed: $(tail -5 "${ROOT}/logs/import.log")"
-log "images imported in $(cat "${ROOT}/logs/import-seconds") s"
+start "kubelet${N_SUFFIX}" kubelet --config "${N_ROOT}/kubelet-config.yaml" \
+  --kubeconfig "${ROOT}/kubelet${N_SUFFIX}.kubeconfig" --root-dir "${N_ROOT}/kubelet" \
+  --hostname-override "${N_NAME}" --node-ip "${N_IP}" --v=1
+}
+for ((i = 0; i < NODES; i++)); do kubelet_up "${i}"; done
+for ((i = 0; i < NODES; i++)); do
+  node_vars "${ROOT}" "${i}"
+  wait "${import_pids[i]}" \
+    || die "image import failed: $(tail -5 "${ROOT}/logs/import${N_SUFFIX}.log")"
+  log "images imported into containerd${N_SUFFIX} in" \
+    "$(tail -1 "${ROOT}/logs/import${N_SUFFIX}.log") s"
+done
 node_ready() {
-  [[ "$(kubectl get node "${NODE_NAME}" \
+  [[ "$(kubectl get node "$1" \
     -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}')" == True ]]
 }
-wait_for "node ${NODE_NAME}" 120 node_ready
+for ((i = 0; i < NODES; i++)); do
+  node_vars "${ROOT}" "${i}"
+  wait_for "node ${N_NAME}" 120 node_ready "${N_NAME}"
+done
 wait_for "default service account" 60 kubectl -n default get serviceaccount default
 
 cat > "${ROOT}/cluster.env" <<EOF
@@ -352,14 +398,24 @@ KUBECONFIG=${ROOT}/admin.kubeconfig
 KUBELET_DIR=${ROOT}/kubelet
 NODE_NAME=${NODE_NAME}
 BIN_DIR=${bindir}
-CONTAINERD_SOCK=${ctrd}/containerd.sock
+CONTAINERD_SOCK=${ROOT}/containerd/containerd.sock
 STATE_DIR=${ROOT}/csi-pmem-state
 DEVICE_OWNERSHIP_FROM_SECURITY_CONTEXT=${DEVICE_OWNERSHIP}
 NRI=${NRI}
 NRI_SOCKET=${nri_socket}
 CONTAINERD_VERSION=$(containerd --version | cut -d' ' -f3)
+NODES=${NODES}
 EOF
+if ((NODES > 1)); then
+  node_vars "${ROOT}" 1
+  cat >> "${ROOT}/cluster.env" <<EOF
+NODE_B_NAME=${N_NAME}
+NODE_B_KUBELET_DIR=${N_ROOT}/kubelet
+NODE_B_STATE_DIR=${N_ROOT}/csi-pmem-state
+NODE_B_CONTAINERD_SOCK=${N_ROOT}/containerd/containerd.sock
+EOF
+fi
 grep -E '^[A-Z_]+_IMAGE=' "${images_env}" >> "${ROOT}/cluster.env"
-trap - ERR
+trap - EXIT
 log "cluster up in $(( $(date +%s) - t_up )) s; env: ${ROOT}/cluster.env"
 echo "${ROOT}/cluster.env"
