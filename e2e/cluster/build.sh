@@ -9,7 +9,7 @@
 # Env:   CSI_PMEM_CACHE  cache root (default: $HOME/.cache/csi-pmem); binaries land in
 #                        $CSI_PMEM_CACHE/cluster/<name>-<key>/bin
 # Output: the last line of stdout is the path of a directory holding symlinks to all
-#         binaries (the "bin dir" that up.sh and the tests put first on PATH).
+#         binaries (for one target: that target's bin dir) (the "bin dir" that up.sh and the tests put first on PATH).
 #
 # Why wrappers: k8s.io/kubernetes (and the CSI sidecars) replace their k8s.io/<staging>
 # modules with ./staging paths or carry replace directives, so `go install mod@ver`
@@ -229,4 +229,6 @@ if [[ "${#targets[@]}" -ge 6 ]]; then
   done
   log "all binaries in ${bindir} ($(( $(date +%s) - t_all )) s)"
   echo "${bindir}"
+else
+  echo "${d}"   # the last target's bin dir (build.sh suite: e2e.test, ginkgo, agnhost)
 fi
