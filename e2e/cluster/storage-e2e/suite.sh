@@ -8,8 +8,8 @@
 #   2. the [Serial] specs of the same manifest, one at a time (--procs 1), after the
 #      parallel ones (Serial specs may assume nothing else runs, e.g. volume limits).
 # [Disruptive] specs restart kubelet or the node (not possible on this shared host: the
-# test bed's kubelet is not a service the suite can restart), [Slow] ones are stress and
-# scale tests that do not fit CI's time, and [Feature:...] specs need optional cluster
+# test bed's kubelet is not a service the suite can restart), [Slow] ones (multi-volume,
+# subPath error paths, stress) do not fit CI's time, and [Feature:...] specs need optional cluster
 # features (snapshots, VolumeAttributesClass, SELinux); none of them run, and summary.py
 # lists each with that reason. The suite's own skips (capabilities the manifest does not
 # claim) are listed with the suite's message.
