@@ -12,6 +12,9 @@
 #                    here the driver image's Debian layers (shared with it in
 #                    containerd's store) with sh as the command; the storage specs run
 #                    shell, dd and md5sum in it, never DNS tools
+#   nginx            the exec spec's image (volumes: "should allow exec of files on the
+#                    volume"): the busybox image under that name; the spec replaces the
+#                    command with a shell script and never starts nginx
 # Archives are
 # cached in $CSI_PMEM_CACHE/cluster/suite-images by their inputs (not cluster/images:
 # ../images.sh prunes what it did not write there); older archives are pruned here.
@@ -32,14 +35,15 @@ busybox=/bin/busybox
 [[ -x "${busybox}" ]] || { log "${busybox} missing: apt-get install busybox-static"; exit 1; }
 
 # The references the storage specs use, from test/utils/image/manifest.go of the pinned
-# k8s.io/kubernetes (BusyBox, Agnhost, GlibcDnsTesting); e2e.test --list-images also
+# k8s.io/kubernetes (BusyBox, Agnhost, GlibcDnsTesting, Nginx); e2e.test --list-images also
 # names older ones (busybox 1.36.1-1, agnhost 2.55) for other specs. Checked against
 # the binary, so a Kubernetes bump that moves a tag fails here, not in a pod's pull.
 BUSYBOX_REF=registry.k8s.io/e2e-test-images/busybox:1.37.0-1
 AGNHOST_REF=registry.k8s.io/e2e-test-images/agnhost:2.63.0
 GLIBC_REF=registry.k8s.io/e2e-test-images/glibc-dns-testing:2.0.0
+NGINX_REF=registry.k8s.io/e2e-test-images/nginx:1.15-4
 list=$("${sbin}/e2e.test" --list-images)
-for r in "${BUSYBOX_REF}" "${AGNHOST_REF}" "${GLIBC_REF}"; do
+for r in "${BUSYBOX_REF}" "${AGNHOST_REF}" "${GLIBC_REF}" "${NGINX_REF}"; do
   grep -qxF "${r}" <<<"${list}" \
     || { log "e2e.test --list-images does not name ${r}: update images.sh"; exit 1; }
 done
@@ -97,6 +101,7 @@ image() {  # image REF KEY MKIMAGE_ARGS... -> "REF ARCHIVE"
 }
 keep=("${bb_layer}" "${agn_layer}")
 image "${BUSYBOX_REF}" "${bb_key}" --layer "${bb_layer}" --cmd '["sh"]' > "${idir}/list.tmp"
+image "${NGINX_REF}" "${bb_key}" --layer "${bb_layer}" --cmd '["sh"]' >> "${idir}/list.tmp"
 image "${AGNHOST_REF}" "${bb_key}${agn_key}" --layer "${bb_layer}" --layer "${agn_layer}" \
   --entrypoint '["/agnhost"]' --cmd '["pause"]' >> "${idir}/list.tmp"
 image "${GLIBC_REF}" "$(sha256sum <<<"${driver_archive}" | h)" \

@@ -3,16 +3,16 @@
 # a running cluster test bed: e2e.test through ginkgo, one run per test-driver manifest
 # here (devdax.yaml, fsdax-block.yaml, fsdax-fs.yaml), as the suite's README and
 # csi-driver-host-path's CI do it:
-#   1. the parallel specs: ginkgo --procs N, skipping [Serial], [Disruptive], [Slow] and
-#      [Feature:...] by their tags;
+#   1. the parallel specs: ginkgo --procs N, skipping [Serial], [Disruptive] and
+#      [Feature:...] by their tags ([Slow] ones run: about N minutes here);
 #   2. the [Serial] specs of the same manifest, one at a time (--procs 1), after the
 #      parallel ones (Serial specs may assume nothing else runs, e.g. volume limits).
 # [Disruptive] specs restart kubelet or the node (not possible on this shared host: the
-# test bed's kubelet is not a service the suite can restart), [Slow] ones (multi-volume,
-# subPath error paths, stress) do not fit CI's time, and [Feature:...] specs need optional cluster
+# test bed's kubelet is not a service the suite can restart), and [Feature:...] specs need optional cluster
 # features (snapshots, VolumeAttributesClass, SELinux); none of them run, and summary.py
 # lists each with that reason. The suite's own skips (capabilities the manifest does not
-# claim) are listed with the suite's message.
+# claim) are listed with the suite's message, and so are the specs not-applicable.yaml
+# names for a manifest (not run, each with the reason).
 #
 # Usage: suite.sh CLUSTER_ENV IMAGES_ENV SUITE_BIN_DIR RESULTS_DIR
 #   (up.sh's cluster.env, images.sh's env file, build.sh suite's bin dir)
@@ -109,7 +109,7 @@ run_ginkgo() {
     --focus "${focus}" ${skip:+--skip "${skip}"} \
     --output-dir "${results}" --junit-report "${m}-${phase}.xml" \
     "${sbin}/e2e.test" -- \
-    -kubeconfig "${KUBECONFIG}" -provider skeleton \
+    -kubeconfig "${KUBECONFIG}" -provider skeleton -kubelet-root-dir "${KUBELET_DIR}" \
     -storage.testdriver "${here}/${m}.yaml" \
     -node-os-distro debian -allowed-not-ready-nodes 0 \
     > "${results}/${m}-${phase}.log" 2>&1 || rc=$?
@@ -118,7 +118,7 @@ run_ginkgo() {
   tail -3 "${results}/${m}-${phase}.log" >&2
   return 0   # summary.py judges from the junit files
 }
-tags='\[Disruptive\]|\[Slow\]|\[Feature:'
+tags='\[Disruptive\]|\[Feature:'
 for m in ${manifests}; do
   name=$(sed -n 's/^  Name: *//p' "${here}/${m}.yaml")
   # fsdax-block.yaml: the Block patterns only (fsdax-fs.yaml runs the Filesystem ones on
@@ -126,8 +126,10 @@ for m in ${manifests}; do
   mfocus=""; [[ "${m}" == fsdax-block ]] && mfocus='.*\(block volmode\)'
   focus="External.Storage \[Driver: ${name//./\\.}\]${mfocus}"
   [[ -n "${extra_focus}" ]] && focus+=".*(${extra_focus})"
-  run_ginkgo "${m}" parallel "${procs}" "${focus}" "\[Serial\]|${tags}"
-  run_ginkgo "${m}" serial 1 "${focus}.*\[Serial\]|\[Serial\].*${focus}" "${tags}"
+  # Specs that do not apply to this manifest's volumes (not-applicable.yaml, with why).
+  na=$("${repo}/.venv/bin/python" "${here}/summary.py" --results "${results}" --skip-regex "${m}")
+  run_ginkgo "${m}" parallel "${procs}" "${focus}" "\[Serial\]|${tags}${na:+|${na}}"
+  run_ginkgo "${m}" serial 1 "${focus}.*\[Serial\]|\[Serial\].*${focus}" "${tags}${na:+|${na}}"
 done
 
 "${repo}/.venv/bin/python" "${here}/summary.py" --results "${results}" --extra-focus "${extra_focus}" \

@@ -4,10 +4,12 @@ skipped, with every failure and skip named and its reason.
 Why a summary of our own: each manifest runs in two ginkgo invocations (the parallel
 specs, then the [Serial] ones), and ginkgo's report lists every spec of e2e.test, most of
 them filtered out. A spec counts where it was selected; a spec selected in neither phase
-was either dropped for its tag ([Disruptive], [Slow], [Feature:...]: listed as skipped,
+was either dropped for its tag ([Disruptive], [Feature:...]: listed as skipped,
 with the reason suite.sh gives) or lies outside the manifest's focus (the Filesystem
 patterns for fsdax-block.yaml, which fsdax-fs.yaml runs: counted as not selected).
 Skips by the suite itself carry its message (a capability the manifest does not claim).
+Specs that not-applicable.yaml names for a manifest are not run (suite.sh passes them
+to ginkgo --skip, from --skip-regex) and are listed as skipped with its reason.
 A failure that explained.yaml matches (manifest and spec regex) still counts as failed;
 its explanation is printed with it, and only unexplained failures fail the run.
 
@@ -32,8 +34,6 @@ PHASES = ("parallel", "serial")
 TAG_REASONS = {
     "[Disruptive]": "[Disruptive]: restarts kubelet or the node, which this shared test "
                     "bed cannot offer the suite",
-    "[Slow]": "[Slow]: what upstream marks slow (multi-volume, subPath error paths, "
-              "stress), left out of CI's time budget as upstream CI does",
     "[Feature:": "[Feature:...]: needs an optional cluster feature this test bed does not "
                  "enable (snapshots, VolumeAttributesClass, SELinux, ...)",
 }
@@ -80,15 +80,27 @@ def tag_reason(spec: str) -> str | None:
     return None
 
 
+def entries(file: str, manifest: str, prefix: str = "") -> list[tuple[re.Pattern[str], str]]:
+    """(spec regex, reason) of FILE's entries for MANIFEST (entry "manifests": a list)."""
+    out = []
+    for e in yaml.safe_load((HERE / file).read_text()) or []:
+        if f"{manifest}.yaml" in e["manifests"]:
+            out.append((re.compile(e["spec"]), prefix + " ".join(e["reason"].split())))
+    return out
+
+
 def explanations(manifest: str) -> list[tuple[re.Pattern[str], str]]:
-    entries = yaml.safe_load((HERE / "explained.yaml").read_text()) or []
-    return [(re.compile(e["spec"]), " ".join(e["reason"].split())) for e in entries
-            if e["manifest"] == f"{manifest}.yaml"]
+    return entries("explained.yaml", manifest)
+
+
+def not_applicable(manifest: str) -> list[tuple[re.Pattern[str], str]]:
+    return entries("not-applicable.yaml", manifest, "not run here: ")
 
 
 def summarise(results: Path, manifest: str) -> dict:
     name = driver_name(manifest)
     known = explanations(manifest)
+    na = not_applicable(manifest)
     phases: dict[str, dict[str, dict]] = {}
     missing = []
     for p in PHASES:
@@ -103,7 +115,7 @@ def summarise(results: Path, manifest: str) -> dict:
         seen = [ph[spec] for ph in phases.values() if spec in ph]
         selected = [c for c in seen if not by_filter(c)]
         if not selected:
-            reason = tag_reason(spec)
+            reason = next((r for rx, r in na if rx.search(spec)), None) or tag_reason(spec)
             (skipped.append({"spec": spec, "reason": reason}) if reason
              else not_selected.append(spec))
             continue
@@ -129,8 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, required=True)
     ap.add_argument("--extra-focus", default="")
+    ap.add_argument("--skip-regex", action="store_true",
+                    help="print the ginkgo --skip regex of not-applicable.yaml for the one "
+                         "manifest given, and exit")
     ap.add_argument("manifests", nargs="+")
     a = ap.parse_args(argv)
+    if a.skip_regex:
+        print("|".join(f"(?:{rx.pattern})" for rx, _ in not_applicable(a.manifests[0])))
+        return 0
     out = {"extra_focus": a.extra_focus, "manifests": [summarise(a.results, m)
                                                        for m in a.manifests]}
     (a.results / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
