@@ -5,7 +5,7 @@ RUN_DIR ?= /tmp/csi-pmem
 export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
 
 .PHONY: setup tools run test check check-fast unit lint proto proto-check sanity bench clean e2e-vm \
-	helm-lint deploy deploy-check e2e-cluster image nri-test
+	helm-lint deploy deploy-check e2e-cluster e2e-storage e2e-nri image nri-test
 
 setup:
 	@bash scripts/setup.sh
@@ -25,8 +25,10 @@ run: setup
 	  --metrics-address 127.0.0.1:9670
 
 # Everything CI runs: stubs, lint, all host tests (csi-sanity included), the VM tier, and
-# the two-node Kubernetes tier (cold ~14 min for its builds, warm ~6 min).
-test: check e2e-vm e2e-cluster
+# the two-node Kubernetes tier (cold ~14 min for its builds, warm ~6 min), and
+# the NRI test bed (e2e-nri), and Kubernetes' own storage e2e suite on one node
+# (e2e-storage).
+test: check e2e-vm e2e-cluster e2e-nri e2e-storage
 
 # The host tiers only (about 5 minutes, as root): the unit tier, then the integration tier
 # (real gRPC, mounts, loop devices, cgroups, csi-sanity).
@@ -106,6 +108,19 @@ e2e-vm: setup tools
 # (e2e/cluster/README.md).
 e2e-cluster: setup
 	bash e2e/cluster/run.sh $(E2E_CLUSTER_ARGS)
+
+# Kubernetes' external storage e2e suite (e2e.test, built from the cluster's
+# k8s.io/kubernetes) judging the chart's devdax and fsdax classes on the cluster tier:
+# e2e/cluster/storage-e2e/ (test-driver manifests, suite.sh). Results, junit and
+# summary.txt in build/e2e-cluster/storage-e2e. E2E_STORAGE_ARGS passes run.sh options
+# (--keep); E2E_STORAGE_FOCUS narrows the specs, E2E_STORAGE_PROCS sets ginkgo's procs.
+e2e-storage: setup
+	E2E_NODES=1 bash e2e/cluster/run.sh --storage-e2e $(E2E_STORAGE_ARGS)
+
+# The NRI plugin on containerd 2.4.2 (built from the Go module proxy, cached):
+# e2e/cluster/test_nri.py on one node (e2e/cluster/README.md, "The NRI test bed").
+e2e-nri: setup
+	E2E_NRI=1 E2E_NODES=1 bash e2e/cluster/run.sh -- -k 'not test_cluster'
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis build *.egg-info

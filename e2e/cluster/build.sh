@@ -4,12 +4,14 @@
 # toolchain. A cold build of the Kubernetes binaries takes 15-25 minutes on 2 cores; a
 # warm run only checks that the binaries are there.
 #
-# Usage: e2e/cluster/build.sh [all|k8s|etcd|provisioner|sidecars|helm|debs|containerd|nri]...
+# Usage: e2e/cluster/build.sh [all|k8s|etcd|provisioner|sidecars|helm|debs|containerd|nri|suite]...
+#        (containerd, nri, suite: not part of all; suite is e2e.test, ginkgo and agnhost
+#        for storage-e2e/suite.sh)
 # Env:   CSI_PMEM_CACHE  cache root (default: $HOME/.cache/csi-pmem); binaries land in
 #                        $CSI_PMEM_CACHE/cluster/<name>-<key>/bin
 # Output: the last line of stdout is the path of a directory holding symlinks to all
 #         binaries (the "bin dir" that up.sh and the tests put first on PATH); with one
-#         target (e.g. containerd, nri), that target's own bin directory.
+#         target (e.g. containerd, nri, suite), that target's own bin directory.
 #
 # Why wrappers: k8s.io/kubernetes (and the CSI sidecars) replace their k8s.io/<staging>
 # modules with ./staging paths or carry replace directives, so `go install mod@ver`
@@ -95,6 +97,54 @@ build_k8s() {
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet \
     k8s.io/kubernetes/cmd/kubectl
+}
+
+# Kubernetes' e2e suite (test/e2e as e2e.test, for the external storage tests), the
+# ginkgo CLI that runs it in parallel, and agnhost (test/images/agnhost), the image the
+# suite's pods run: all from the same k8s.io/kubernetes as the cluster, with the same
+# GOFLAGS, -trimpath and CGO_ENABLED as build_k8s so the Go build cache's k8s.io
+# packages are reused. ginkgo is built inside the same wrapper, so it is the version
+# k8s.io/kubernetes requires (the CLI and the library in e2e.test must match).
+build_suite() {
+  local minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
+  local v="-s -w" p
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    v+=" -X ${p}.gitVersion=${K8S_VERSION} -X ${p}.gitMajor=1 -X ${p}.gitMinor=${minor}"
+    v+=" -X ${p}.gitTreeState=clean -X ${p}.buildDate=1970-01-01T00:00:00Z"
+  done
+  local key; key=$(key_of suite "${K8S_VERSION}" "${K8S_STAGING_VERSION}")
+  local out="${cdir}/suite-${key}"
+  if [[ -f "${out}/.done" ]]; then log "suite: cached (${out})"; echo "${out}/bin"; return; fi
+  local src="${cdir}/src/suite-${key}"
+  mkdir -p "${src}"
+  {
+    echo "module csipmem.local/wrap/suite"
+    echo
+    echo "go ${gover#go}"
+    echo
+    echo "require k8s.io/kubernetes ${K8S_VERSION}"
+    echo
+    echo "replace ("
+    for m in "${STAGING[@]}"; do echo "	k8s.io/${m} => k8s.io/${m} ${K8S_STAGING_VERSION}"; done
+    echo ")"
+  } > "${src}/go.mod"
+  log "suite: building e2e.test, ginkgo, agnhost (log ${src}/build.log)"
+  local t0; t0=$(date +%s)
+  rm -rf "${out}.tmp"; mkdir -p "${out}.tmp/bin"
+  if ! (cd "${src}" && go test -c -vet=off -trimpath -ldflags "${v}" -o "${out}.tmp/bin/e2e.test" \
+          k8s.io/kubernetes/test/e2e &&
+        go build -trimpath -ldflags "${v}" -o "${out}.tmp/bin/" \
+          github.com/onsi/ginkgo/v2/ginkgo k8s.io/kubernetes/test/images/agnhost) \
+      > "${src}/build.log" 2>&1; then
+    tail -30 "${src}/build.log" >&2
+    log "suite: FAILED"
+    return 1
+  fi
+  rm -rf "${out}"; mv "${out}.tmp" "${out}"
+  echo "$(( $(date +%s) - t0 ))" > "${out}/build-seconds"
+  touch "${out}/.done"
+  log "suite: built in $(cat "${out}/build-seconds") s"
+  echo "${out}/bin"
 }
 
 build_etcd() {
@@ -212,5 +262,5 @@ if [[ "${#targets[@]}" -ge 6 ]]; then
   log "all binaries in ${bindir} ($(( $(date +%s) - t_all )) s)"
   echo "${bindir}"
 elif [[ "${#targets[@]}" == 1 && "${targets[0]}" != debs ]]; then
-  echo "${dirs[0]}"  # one set (containerd, nri): its own bin directory
+  echo "${dirs[0]}"  # one set (containerd, nri, suite): its own bin directory
 fi

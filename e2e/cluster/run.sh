@@ -2,8 +2,11 @@
 # make e2e-cluster: build (cached) -> images (cached) -> up -> pytest -> down.
 # down.sh runs on every exit path (success, test failure, Ctrl-C, a failed step).
 #
-# Usage: e2e/cluster/run.sh [--keep] [-- PYTEST_ARGS...]
-#   --keep   leave the cluster running after the tests (down.sh later, by hand)
+# Usage: e2e/cluster/run.sh [--keep] [--storage-e2e] [-- PYTEST_ARGS...]
+#   --keep         leave the cluster running after the tests (down.sh later, by hand)
+#   --storage-e2e  run Kubernetes' external storage e2e suite (storage-e2e/suite.sh)
+#                  instead of test_cluster.py; all results (logs, timings) then go to
+#                  $E2E_RESULTS/storage-e2e (default build/e2e-cluster/storage-e2e)
 # Env: CSI_PMEM_CACHE (binary and image cache), E2E_ROOT (default /tmp/csi-pmem-e2e),
 #      E2E_RESULTS (default build/e2e-cluster): junit.xml, results.json, timings, logs,
 #      E2E_NODES (default 2): 2 runs test_cluster.py on node A, then test_two_nodes.py
@@ -15,10 +18,12 @@ here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "${here}/../.." && pwd)"
 cd "${repo}"
 keep=0
+storage=0
 pytest_args=()
 while (($#)); do
   case "$1" in
     --keep) keep=1 ;;
+    --storage-e2e) storage=1 ;;
     --) shift; pytest_args=("$@"); break ;;
     -h|--help) sed -n 2,11p "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
@@ -30,6 +35,7 @@ export E2E_NODES="${E2E_NODES:-2}"
 tests=("${here}/test_cluster.py")
 [[ "${E2E_NODES}" == 1 ]] || tests+=("${here}/test_two_nodes.py")
 results="${E2E_RESULTS:-${repo}/build/e2e-cluster}"
+((storage)) && results="${E2E_RESULTS:-${repo}/build/e2e-cluster}/storage-e2e"
 mkdir -p "${results}"
 rm -rf "${results}/driver-logs" "${results}/results.json" "${results}/junit.xml" \
   "${results}/results-two-nodes.json"
@@ -49,8 +55,9 @@ flock -n 9 || { echo "run.sh: another e2e-cluster run holds /tmp/csi-pmem-e2e-cl
   2>/dev/null \
   || .venv/bin/python -m pip install -q -e '.[e2e]'
 
-s=$(date +%s); bindir=$(bash "${here}/build.sh" all | tail -1); step build "${s}"
-tests=("${here}/test_cluster.py")
+s=$(date +%s); bindir=$(bash "${here}/build.sh" all | tail -1)
+((storage)) && suitebin=$(bash "${here}/build.sh" suite | tail -1)
+step build "${s}"
 if [[ "${E2E_NRI:-0}" == 1 ]]; then
   s=$(date +%s)
   E2E_CONTAINERD_BIN=$(bash "${here}/build.sh" containerd | tail -1)
@@ -81,6 +88,14 @@ trap 'exit 130' INT TERM
 s=$(date +%s); cluster_env=$(bash "${here}/up.sh" "${bindir}" "${images_env}" | tail -1)
 step up "${s}"
 s=$(date +%s)
+if ((storage)); then
+  ((${#pytest_args[@]} == 0)) || { echo "run.sh: --storage-e2e takes no pytest arguments" \
+    "(narrow it with E2E_STORAGE_FOCUS)" >&2; exit 2; }
+  bash "${here}/storage-e2e/suite.sh" "${cluster_env}" "${images_env}" "${suitebin}" \
+    "${results}" || rc=$?
+  step tests "${s}"
+  exit "${rc:-0}"
+fi
 E2E_CLUSTER_ENV="${cluster_env}" E2E_RESULTS="${results}" \
   .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=0 \
   --junitxml "${results}/junit.xml" "${tests[@]}" ${pytest_args[@]+"${pytest_args[@]}"} \
