@@ -285,7 +285,10 @@ def test_plugin_restart_leaves_running_containers_alone(nri_release: NriCluster)
 def test_after_unpublish_nothing_is_left(nri_release: NriCluster) -> None:
     k = nri_release
     pods_dir = str(Path(k.kubelet_dir) / "pods")
-    assert not [m for m in k.mounts_below(pods_dir) if "kubernetes.io~csi" in m]
+    # Kubelet unpublishes a deleted pod's volumes after the pod object is gone (its
+    # volume manager runs on its own loop), so the last pod's mount may still be there.
+    wait_until("no CSI mount left below kubelet's pods directory", lambda: not [
+        m for m in k.mounts_below(pods_dir) if "kubernetes.io~csi" in m], 60)
     vid = STATE["vid"]
     k.core.delete_namespaced_persistent_volume_claim("dev", NRI_NS)
     wait_until("the volume deleted", lambda: vid not in json.dumps(k.driver_json("list")), 180)
