@@ -342,6 +342,24 @@ node_copy = pytest.mark.skipif(not (torch.cuda.is_available() and _cuda_bindings
                                reason="needs CUDA and cuda-bindings")
 
 
+@cuda
+@pytest.mark.parametrize("copy", ["driver", "torch"])
+def test_both_bounce_copies_are_bit_exact(models, monkeypatch, copy):
+    """The default driver-call copy, and torch's ``copy_`` that CSI_PMEM_BOUNCE_COPY=torch
+    (or a missing cuda-python) falls back to."""
+    if copy == "driver" and not _cuda_bindings():
+        pytest.skip("needs cuda-bindings")
+    from csi_pmem.loader.gpu import GpuLoader
+
+    monkeypatch.setenv("CSI_PMEM_BOUNCE_COPY", copy)
+    vol = lm.staged_volume(models / "sharded", models / "sharded.vol")
+    with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=3, mode="bounce") as loader, \
+            open_volume(vol) as v:
+        got = load_safetensors(v, "cuda:0", loader=loader)
+        assert (loader._backend._driver is not None) == (copy == "driver")
+    assert_same(got, reference(models / "sharded"))
+
+
 @node_copy
 @pytest.mark.parametrize("verify", [True, False])
 def test_the_node_copy_service_loads_bit_exact(models, tmp_path, verify):

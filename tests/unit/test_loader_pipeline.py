@@ -240,3 +240,16 @@ def test_a_piece_given_back_goes_to_the_back_side():
     while (c := sides.take()) is not None:
         taken.append(c.seq)
     assert sorted(taken) == list(range(6)) and sides.front_pieces == []
+
+
+def test_bounce_copy_choice_is_checked(monkeypatch):
+    """CSI_PMEM_BOUNCE_COPY picks the transfer; a typo is a loader error naming both
+    choices, and ``torch`` never touches cuda-python."""
+    from csi_pmem.loader.errors import LoaderError
+    from csi_pmem.loader.gpu import _driver_copy
+
+    monkeypatch.setenv("CSI_PMEM_BOUNCE_COPY", "torch")
+    assert _driver_copy(None, None, 4) is None
+    monkeypatch.setenv("CSI_PMEM_BOUNCE_COPY", "dirver")
+    with pytest.raises(LoaderError, match=r"'dirver'.*driver.*torch"):
+        _driver_copy(None, None, 4)
