@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""A/B of loader settings: profile_load.py configurations in fresh processes, interleaved.
+
+Why: the GPU hosts this project is measured on are shared, and their host memory
+bandwidth changes between runs (InstantTensor measured 44.6, 26.1 and 39.3 GB/s on
+three hosts lent the same week). A setting is only judged against another one in the
+same run, each load in its own fresh process, the configurations taking turns so that
+drift hits all of them alike. Prints one line per load and a best/median summary.
+
+Each ``--config`` is ``LABEL|ENV|ARGS``: ``ENV`` is space-separated ``NAME=VALUE``
+pairs for the process (``CSI_PMEM_BOUNCE_COPY=torch``, ``GLIBC_TUNABLES=...``), ``ARGS``
+the extra arguments of profile_load.py (``--no-verify --buffers 16``). The node copy
+service is off unless a config's ARGS omit ``--no-node`` and its target is a published
+directory.
+
+Usage: benchmarks/profile_ab.py VOLUME --config 'drv||--no-verify'
+         --config 'torch|CSI_PMEM_BOUNCE_COPY=torch|--no-verify' [--reps 3] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+PROFILE = Path(__file__).resolve().parent / "profile_load.py"
+
+
+def parse_config(text: str) -> tuple[str, dict[str, str], list[str]]:
+    parts = text.split("|")
+    if len(parts) != 3 or not parts[0]:
+        raise argparse.ArgumentTypeError(
+            f"--config {text!r}: want LABEL|ENV|ARGS, for example 'torch|"
+            "CSI_PMEM_BOUNCE_COPY=torch|--no-verify'")
+    env = {}
+    for pair in shlex.split(parts[1]):
+        name, eq, value = pair.partition("=")
+        if not eq or not name:
+            raise argparse.ArgumentTypeError(f"--config {text!r}: {pair!r} is not NAME=VALUE")
+        env[name] = value
+    return parts[0], env, shlex.split(parts[2])
+
+
+def one(volume: str, env: dict[str, str], args: list[str], timeout: float) -> dict:
+    e = dict(os.environ, CSI_PMEM_GPU_COPY="off", **env)
+    cmd = [sys.executable, str(PROFILE), volume, "--no-node", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        return {"returncode": r.returncode, "error": r.stderr.strip()[-800:]}
+    doc = json.loads(lines[-1])
+    ph = doc["phases_ms"]
+    total_ms = ph["open_volume"] + ph["open_model"] + ph["loader"] + ph["verified"]
+    return {"returncode": r.returncode, "path": doc["path"], "total_ms": total_ms,
+            "gb_s": doc["bytes"] / 1e6 / total_ms}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("volume")
+    p.add_argument("--config", type=parse_config, action="append", required=True)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--timeout-s", type=float, default=60)
+    p.add_argument("--json", help="write every load and the summary here")
+    a = p.parse_args()
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in a.config}
+    for rep in range(a.reps):
+        for label, env, args in a.config:
+            try:
+                r = one(a.volume, env, args, a.timeout_s)
+            except subprocess.TimeoutExpired:
+                r = {"returncode": None, "error": f"no result in {a.timeout_s} s"}
+            runs[label].append(r)
+            if "gb_s" in r:
+                print(f"{rep + 1} {label:24s} rc={r['returncode']} path={r['path']:7s} "
+                      f"{r['total_ms']:7.1f} ms {r['gb_s']:6.2f} GB/s", flush=True)
+            else:
+                print(f"{rep + 1} {label:24s} FAILED rc={r['returncode']}: {r['error']}",
+                      flush=True)
+    summary = {}
+    print(f"\n{'config':24s} {'best GB/s':>10s} {'median':>8s}  exit codes")
+    for label, rs in runs.items():
+        gbs = [r["gb_s"] for r in rs if "gb_s" in r]
+        codes = ",".join(str(r["returncode"]) for r in rs)
+        summary[label] = {"best": max(gbs, default=None),
+                          "median": statistics.median(gbs) if gbs else None,
+                          "exit_codes": [r["returncode"] for r in rs]}
+        best = f"{max(gbs):10.2f} {statistics.median(gbs):8.2f}" if gbs else f"{'-':>10s} {'-':>8s}"
+        print(f"{label:24s} {best}  {codes}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
+    failed = any(r["returncode"] != 0 for rs in runs.values() for r in rs)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

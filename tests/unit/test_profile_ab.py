@@ -1,0 +1,34 @@
+"""benchmarks/profile_ab.py's configuration syntax: parsed as documented, refused with a
+message that shows the right form (the GPU part runs only on a GPU host)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import profile_ab  # noqa: E402
+
+
+def test_a_config_is_label_env_and_args():
+    label, env, args = profile_ab.parse_config(
+        "torch 16|CSI_PMEM_BOUNCE_COPY=torch GLIBC_TUNABLES=a=b|--no-verify --buffers 16")
+    assert label == "torch 16"
+    assert env == {"CSI_PMEM_BOUNCE_COPY": "torch", "GLIBC_TUNABLES": "a=b"}
+    assert args == ["--no-verify", "--buffers", "16"]
+    assert profile_ab.parse_config("plain||") == ("plain", {}, [])
+
+
+@pytest.mark.parametrize("bad", ["no-bars", "|X=1|", "a|NOVALUE|", "a|b|c|d"])
+def test_a_bad_config_is_a_usage_error(bad):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_ab.py"),
+                        "/nonexistent", "--config", bad], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2
+    assert "LABEL|ENV|ARGS" in r.stderr or "NAME=VALUE" in r.stderr
+    assert "Traceback" not in r.stderr
