@@ -26,7 +26,7 @@ run: setup
 
 # Everything CI runs: stubs, lint, all host tests (csi-sanity included), the VM tier, and
 # the two-node Kubernetes tier (cold ~14 min for its builds, warm ~6 min), and
-# the NRI test bed (e2e-nri), and Kubernetes' own storage e2e suite on one node
+# the NRI test bed (e2e-nri), and Kubernetes' own storage e2e suite on both nodes
 # (e2e-storage).
 test: check e2e-vm e2e-cluster e2e-nri e2e-storage
 
@@ -115,7 +115,7 @@ e2e-cluster: setup
 # summary.txt in build/e2e-cluster/storage-e2e. E2E_STORAGE_ARGS passes run.sh options
 # (--keep); E2E_STORAGE_FOCUS narrows the specs, E2E_STORAGE_PROCS sets ginkgo's procs.
 e2e-storage: setup
-	E2E_NODES=1 bash e2e/cluster/run.sh --storage-e2e $(E2E_STORAGE_ARGS)
+	bash e2e/cluster/run.sh --storage-e2e $(E2E_STORAGE_ARGS)
 
 # The NRI plugin on containerd 2.4.2 (built from the Go module proxy, cached):
 # e2e/cluster/test_nri.py on one node (e2e/cluster/README.md, "The NRI test bed").

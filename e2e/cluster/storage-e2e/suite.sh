@@ -47,7 +47,7 @@ export KUBECONFIG
 export PATH="${sbin}:${BIN_DIR}:${PATH}"
 mkdir -p "${results}"
 rm -f "${results}"/*.xml "${results}"/*-parallel.log "${results}"/*-serial.log \
-  "${results}"/summary.* "${results}"/driver.log "${results}"/helm-install.log
+  "${results}"/summary.* "${results}"/driver.log "${results}"/helm-install*.log
 timings="${results}/suite-timings.txt"   # run.sh owns timings.txt
 : > "${timings}"
 
@@ -56,7 +56,7 @@ t=$(date +%s)
 images=$(bash "${here}/images.sh" "${sbin}" "${DRIVER_IMAGE_ARCHIVE}")
 # Every node's containerd (CONTAINERD_SOCK, and CONTAINERD_SOCK_<node> where the test
 # bed has more nodes).
-socks=$(sed -n 's/^CONTAINERD_SOCK[A-Z0-9_]*=//p' "${cluster_env}" | sort -u)
+socks=$(sed -n 's/^\(NODE_[A-Z0-9]*_\)\{0,1\}CONTAINERD_SOCK=//p' "${cluster_env}" | sort -u)
 while read -r ref archive; do
   for s in ${socks}; do
     ctr --address "${s}" -n k8s.io images import "${archive}" > /dev/null
@@ -69,32 +69,57 @@ echo "images $(( $(date +%s) - t ))" >> "${timings}"
 
 # ---------------------------------------------------------------- the chart
 # As test_cluster.py installs it (emulated back end, two 2 GiB NUMA pools), with the
-# chart's default capacity poll.
+# chart's default capacity poll. On a two-node test bed (NODE_B_NAME in cluster.env) as
+# test_two_nodes.py installs it: release csi-pmem pinned to node A with the classes,
+# release csi-pmem-b pinned to node B (its own kubelet and state directories, one 4 GiB
+# pool on NUMA node 1, no CSIDriver and no classes of its own). Then the suite's topology
+# specs have two values of csi-pmem.io/node to choose from, and its pods land on either
+# node, as kube-scheduler places them.
 t=$(date +%s)
 img() { echo --set "$1.image.repository=${2%:*}" --set "$1.image.tag=${2##*:}" \
   --set "$1.image.pullPolicy=Never"; }
-# shellcheck disable=SC2046
-helm install csi-pmem "${repo}/charts/csi-pmem" --namespace csi-pmem --create-namespace \
-  -f "${repo}/charts/csi-pmem/ci/emulated-values.yaml" \
-  --set "kubeletDir=${KUBELET_DIR}" --set "stateDir=${STATE_DIR}" \
-  --set driver.logFormat=text \
-  $(img driver "${DRIVER_IMAGE}") $(img provisioner "${PROVISIONER_IMAGE}") \
-  $(img registrar "${REGISTRAR_IMAGE}") $(img livenessProbe "${LIVENESSPROBE_IMAGE}") \
-  --wait --timeout 5m > "${results}/helm-install.log" 2>&1 \
-  || { cat "${results}/helm-install.log" >&2; exit 1; }
-registered() {
-  kubectl get csinode -o jsonpath='{range .items[*]}{.spec.drivers[*].name}{"\n"}{end}' \
-    | grep -qx csi-pmem.io
+releases=(csi-pmem)
+pin=()
+if [[ -n "${NODE_B_NAME:-}" ]]; then
+  releases+=(csi-pmem-b)
+  pin=(--set-json "nodeSelector={\"kubernetes.io/hostname\":\"${NODE_NAME}\"}")
+fi
+install() {  # RELEASE KUBELET_DIR STATE_DIR ARGS...
+  local rel=$1 kdir=$2 sdir=$3; shift 3
+  # shellcheck disable=SC2046
+  helm install "${rel}" "${repo}/charts/csi-pmem" --namespace csi-pmem --create-namespace \
+    -f "${repo}/charts/csi-pmem/ci/emulated-values.yaml" \
+    --set "kubeletDir=${kdir}" --set "stateDir=${sdir}" \
+    --set driver.logFormat=text \
+    $(img driver "${DRIVER_IMAGE}") $(img provisioner "${PROVISIONER_IMAGE}") \
+    $(img registrar "${REGISTRAR_IMAGE}") $(img livenessProbe "${LIVENESSPROBE_IMAGE}") \
+    "$@" --wait --timeout 5m > "${results}/helm-install-${rel}.log" 2>&1 \
+    || { cat "${results}/helm-install-${rel}.log" >&2; return 1; }
+}
+install csi-pmem "${KUBELET_DIR}" "${STATE_DIR}" "${pin[@]}"
+if [[ -n "${NODE_B_NAME:-}" ]]; then
+  install csi-pmem-b "${NODE_B_KUBELET_DIR}" "${NODE_B_STATE_DIR}" \
+    --set-json "nodeSelector={\"kubernetes.io/hostname\":\"${NODE_B_NAME}\"}" \
+    --set-json 'backend.emulated.regions=[{"numaNode":1,"size":"4Gi"}]' \
+    --set csiDriver.create=false --set storageClasses.default.create=false \
+    --set storageClasses.fsdax.create=false --set-json 'storageClasses.perNuma=[]'
+fi
+nodes=$(( ${#releases[@]} ))
+registered() {  # every node's kubelet has the driver
+  [[ $(kubectl get csinode -o jsonpath='{range .items[*]}{.spec.drivers[*].name}{"\n"}{end}' \
+    | grep -cx csi-pmem.io) -ge ${nodes} ]]
 }
 for _ in $(seq 120); do registered && break; sleep 1; done
-registered || { log "the driver did not register with kubelet in 120 s"; exit 1; }
+registered || { log "the driver did not register with every kubelet (${nodes}) in 120 s"; exit 1; }
 echo "install $(( $(date +%s) - t ))" >> "${timings}"
-log "chart installed, driver registered"
+log "chart installed (${releases[*]}), driver registered on ${nodes} node(s)"
 
 uninstall() {
   kubectl -n csi-pmem logs -l app.kubernetes.io/name=csi-pmem --all-containers --prefix \
     --tail=-1 > "${results}/driver.log" 2>&1 || true
-  helm uninstall csi-pmem --namespace csi-pmem --wait --timeout 2m >/dev/null 2>&1 || true
+  for rel in "${releases[@]}"; do
+    helm uninstall "${rel}" --namespace csi-pmem --wait --timeout 2m >/dev/null 2>&1 || true
+  done
 }
 trap uninstall EXIT
 
