@@ -255,11 +255,14 @@ def _driver_copy(device: Any, stream: Any, nbuffers: int) -> _DriverCopy | None:
 class _DriverCopy:
     """Per-chunk transfers through cuda-python's driver calls instead of torch.
 
-    Why: a bounce chunk is 8 MiB, about 0.15 ms on the link, and a torch
-    ``copy_`` + ``Event.record`` spends tens of microseconds in dispatch holding the
-    GIL, which twelve memcpy threads then queue for. ``cuMemcpyHtoDAsync`` and
-    ``cuEventRecord`` release the GIL and cost a few microseconds. Same stream as
-    torch's, so torch work queued after the load orders behind it.
+    Why: a bounce chunk is 8 MiB, about 0.15 ms on the link, and each one went
+    through torch's ``copy_`` + ``Event.record``, which dispatch while holding the GIL
+    that twelve memcpy threads and the verifier's thread share. ``cuMemcpyHtoDAsync``
+    and ``cuEventRecord`` release it. Measured on H200 hosts in fresh processes
+    (docs/loader-benchmark.md, runs of 2026-12-02): unverified level with torch's copy on
+    one host and 9-11% ahead on another; verified, the in-pod cost of verification fell
+    from 9% to 2.7% on the first. Same stream as torch's, so torch work queued after the
+    load orders behind it.
     """
 
     def __init__(self, device_index: int, stream_handle: int, nbuffers: int):

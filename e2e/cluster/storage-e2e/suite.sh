@@ -54,8 +54,8 @@ timings="${results}/suite-timings.txt"   # run.sh owns timings.txt
 # ---------------------------------------------------------------- images
 t=$(date +%s)
 images=$(bash "${here}/images.sh" "${sbin}" "${DRIVER_IMAGE_ARCHIVE}")
-# Every node's containerd (CONTAINERD_SOCK, and CONTAINERD_SOCK_<node> where the test
-# bed has more nodes).
+# Every node's containerd (CONTAINERD_SOCK for node A, NODE_B_CONTAINERD_SOCK where the
+# test bed has node B).
 socks=$(sed -n 's/^\(NODE_[A-Z0-9]*_\)\{0,1\}CONTAINERD_SOCK=//p' "${cluster_env}" | sort -u)
 while read -r ref archive; do
   for s in ${socks}; do
