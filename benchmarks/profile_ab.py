@@ -9,9 +9,8 @@ drift hits all of them alike. Prints one line per load and a best/median summary
 
 Each ``--config`` is ``LABEL|ENV|ARGS``: ``ENV`` is space-separated ``NAME=VALUE``
 pairs for the process (``CSI_PMEM_BOUNCE_COPY=torch``, ``GLIBC_TUNABLES=...``), ``ARGS``
-the extra arguments of profile_load.py (``--no-verify --buffers 16``). The node copy
-service is off unless a config's ARGS omit ``--no-node`` and its target is a published
-directory.
+the extra arguments of profile_load.py (``--no-verify --buffers 16``). Every load is
+in-pod: the node copy service is off (``--no-node``, ``CSI_PMEM_GPU_COPY=off``).
 
 Usage: benchmarks/profile_ab.py VOLUME --config 'drv||--no-verify'
          --config 'torch|CSI_PMEM_BOUNCE_COPY=torch|--no-verify' [--reps 3] [--json F]
@@ -54,10 +53,10 @@ def one(volume: str, env: dict[str, str], args: list[str], timeout: float) -> di
     if r.returncode != 0 or not lines:
         return {"returncode": r.returncode, "error": r.stderr.strip()[-800:]}
     doc = json.loads(lines[-1])
-    ph = doc["phases_ms"]
-    total_ms = ph["open_volume"] + ph["open_model"] + ph["loader"] + ph["verified"]
-    return {"returncode": r.returncode, "path": doc["path"], "total_ms": total_ms,
-            "gb_s": doc["bytes"] / 1e6 / total_ms}
+    # profile_load.py's own total: opening the volume and the model, the loader, the
+    # load until verified.
+    return {"returncode": r.returncode, "path": doc["path"], "gb_s": doc["gbps_total"],
+            "total_ms": doc["bytes"] / 1e6 / doc["gbps_total"]}
 
 
 def main() -> int:

@@ -274,11 +274,16 @@ class _DriverCopy:
         self._ctx = check(cu, cu.cuDevicePrimaryCtxRetain(self._device),
                           "retaining the GPU's primary context")
         self._tls = threading.local()
-        self._current()
-        self.stream = cu.CUstream(stream_handle)
-        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        self.events = [check(cu, cu.cuEventCreate(flags), "cuEventCreate")
-                       for _ in range(nbuffers)]
+        self.events: list[Any] = []
+        try:
+            self._current()
+            self.stream = cu.CUstream(stream_handle)
+            flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+            for _ in range(nbuffers):
+                self.events.append(check(cu, cu.cuEventCreate(flags), "cuEventCreate"))
+        except BaseException:
+            self.close()  # the events made so far and the context reference
+            raise
 
     def _current(self) -> None:
         if not getattr(self._tls, "ok", False):

@@ -32,3 +32,19 @@ def test_a_bad_config_is_a_usage_error(bad):
     assert r.returncode == 2
     assert "LABEL|ENV|ARGS" in r.stderr or "NAME=VALUE" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_one_load_reads_profile_loads_total(tmp_path, monkeypatch):
+    """The rate is profile_load.py's own total (volume, model, loader, verified load), and
+    a failed load is reported with its exit code and stderr, not a traceback."""
+    fake = tmp_path / "profile_load.py"
+    fake.write_text("import json, os, sys\n"
+                    "if os.environ.get('FAIL'): sys.exit('no GPU here')\n"
+                    "print('debug line')\n"
+                    "assert '--no-node' in sys.argv and os.environ['CSI_PMEM_GPU_COPY'] == 'off'\n"
+                    "print(json.dumps({'path': 'bounce', 'bytes': 10**9, 'gbps_total': 40.0}))\n")
+    monkeypatch.setattr(profile_ab, "PROFILE", fake)
+    r = profile_ab.one("/vol", {}, ["--no-verify"], timeout=30)
+    assert r == {"returncode": 0, "path": "bounce", "gb_s": 40.0, "total_ms": 25.0}
+    bad = profile_ab.one("/vol", {"FAIL": "1"}, [], timeout=30)
+    assert bad["returncode"] == 1 and "no GPU here" in bad["error"]
