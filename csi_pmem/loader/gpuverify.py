@@ -21,6 +21,7 @@ not start on a word.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -174,8 +175,6 @@ class DeviceVerifier:
 
     def __init__(self, view: ModelView, plans: dict[str, FilePlan], device: Any,
                  done: Callable[[list[checksum.Mismatch], BaseException | None], None]):
-        import torch
-
         self.view, self.plans, self.device = view, plans, device
         self._done = done
         self._left = set(plans)
@@ -184,12 +183,15 @@ class DeviceVerifier:
         self._bad: list[checksum.Mismatch] = []
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._stream = torch.cuda.Stream(device=device)
         self._queue: list[tuple[str, Any, int, list[int]]] = []
         self._wake = threading.Condition(self._lock)
-        if plans:
-            threading.Thread(target=self._run, name="verify-gpu", daemon=True).start()
-        else:
+        # No thread and no CUDA work until the first batch is queued: this runs when
+        # a load starts, and whatever it did there (a thread asking for the GIL, a
+        # stream) delayed the load's first copy by several ms in fresh processes.
+        self._thread: threading.Thread | None = None
+        self._closed = False  # failed before any batch: nothing will start a thread
+        self._reported = False
+        if not plans:
             self._finish()
 
     def submit(self, fname: str, buffer: Any, first_dst: int, start: int, end: int) -> None:
@@ -203,9 +205,13 @@ class DeviceVerifier:
             # Coalesced: a few large batched reductions cost less GIL and fewer
             # synchronisations than one per tensor, and the copy threads need both.
             size = sum(progress.ranges[i][1] for i in pending)
-            if pending and (size >= BATCH or not progress.unchecked):
+            if pending and (size >= BATCH or not progress.unchecked) and not self._closed:
                 self._queue.append((fname, buffer, first_dst, sorted(pending)))
                 self._pending[fname] = []
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="verify-gpu",
+                                                    daemon=True)
+                    self._thread.start()
                 self._wake.notify()
 
     def fail(self, exc: BaseException) -> None:
@@ -214,9 +220,32 @@ class DeviceVerifier:
             if self._error is None:
                 self._error = exc
             self._left.clear()
+            idle = self._thread is None
+            self._closed = self._closed or idle
             self._wake.notify()
+        if idle:  # no thread will report
+            self._finish()
 
     def _run(self) -> None:
+        try:
+            stream, release = side_stream(self.device)
+        except BaseException as exc:  # no stream: nothing can be checked
+            log.error("checking on the device failed: %s", exc)
+            with self._wake:
+                self._error = self._error or exc
+            self._finish()
+            return
+        try:
+            self._check_all(stream)
+        except BaseException as exc:  # a bug here must still end the check
+            log.error("checking on the device failed: %s", exc)
+            with self._wake:
+                self._error = self._error or exc
+        finally:
+            release()  # before the result is out: the process may exit then
+        self._finish()
+
+    def _check_all(self, stream: Any) -> None:
         import torch
 
         # The buffers stay referenced until the reductions that read them are done, so
@@ -231,7 +260,7 @@ class DeviceVerifier:
                 fname, buffer, first_dst, ready = self._queue.pop(0)
             exc_: BaseException | None = None
             try:
-                with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                with torch.cuda.device(self.device), torch.cuda.stream(stream):
                     launched.append((launch_chunks(self.view, self.plans[fname], buffer,
                                                    first_dst, ready), buffer))
             except BaseException as exc:  # a device error: the check did not happen
@@ -246,7 +275,7 @@ class DeviceVerifier:
                 last = not self._left and not self._queue
             if last:
                 break
-        bad, exc_ = self._collect(launched)
+        bad, exc_ = self._collect(stream, launched)
         # Drop every device tensor before the result is out: a process may exit as soon
         # as it is, and tensors freed by this thread during interpreter teardown would
         # reach a CUDA runtime that is going away (an abort at exit).
@@ -255,14 +284,13 @@ class DeviceVerifier:
             self._bad += bad
             if exc_ is not None and self._error is None:
                 self._error = exc_
-        self._finish()
 
-    def _collect(self, launched: list[tuple[wsum.Pending, Any]]
+    def _collect(self, stream: Any, launched: list[tuple[wsum.Pending, Any]]
                  ) -> tuple[list[checksum.Mismatch], BaseException | None]:
         """Every reduction is queued: one wait for all of them, then compare."""
         bad: list[checksum.Mismatch] = []
         try:
-            self._stream.synchronize()
+            stream.synchronize()
             for pending, _buffer in launched:
                 bad += pending.result()
         except BaseException as exc:
@@ -272,5 +300,49 @@ class DeviceVerifier:
 
     def _finish(self) -> None:
         with self._lock:
+            if self._reported:
+                return
+            self._reported = True
             bad, error = list(self._bad), self._error
         self._done(bad, error)
+
+
+def side_stream(device: Any) -> tuple[Any, Callable[[], None]]:
+    """A torch stream for the reductions on ``device``, and what releases it.
+
+    Why not ``torch.cuda.Stream``: a process's first one builds torch's stream pool for
+    the device, 3.7-4.7 ms holding the GIL in fresh processes on an H200 host, and on
+    the node path no torch stream exists yet. A driver stream (cuda-python, imported
+    with the node path) wrapped in ``torch.cuda.ExternalStream`` took 0.4-0.5 ms.
+    Without cuda-python, torch's.
+    """
+    import torch
+
+    try:
+        from csi_pmem.gpucopy.cuda import check, driver
+
+        cu = driver()
+    except ImportError:
+        return torch.cuda.Stream(device=device), lambda: None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    dev = check(cu, cu.cuDeviceGet(index), "cuDeviceGet")
+    ctx = check(cu, cu.cuDevicePrimaryCtxRetain(dev), "retaining the GPU's primary context")
+    try:
+        check(cu, cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        handle = check(cu, cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value),
+                       "cuStreamCreate")
+    except BaseException:
+        cu.cuDevicePrimaryCtxRelease(dev)
+        raise
+
+    def release() -> None:
+        # Also after a failure with reductions still queued: they finish first (their
+        # buffers are about to be dropped).
+        with contextlib.suppress(Exception):
+            cu.cuStreamSynchronize(handle)
+        with contextlib.suppress(Exception):
+            cu.cuStreamDestroy(handle)
+        with contextlib.suppress(Exception):
+            cu.cuDevicePrimaryCtxRelease(dev)
+
+    return torch.cuda.ExternalStream(int(handle), device=device), release

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -141,3 +142,55 @@ def test_chunks_become_checkable_as_their_bytes_land():
     assert p.add(size - 8, 2 * size) == [0, 1]       # header + data: chunks 0 and 1
     assert p.add(4 * size, entry.length) == [4]      # the short last chunk
     assert p.add(2 * size, 3 * size) == [2] and not p.unchecked
+
+
+def _one_file_plan():
+    from csi_pmem.loader import checksum
+    from csi_pmem.loader.gpuverify import FilePlan
+    from csi_pmem.loader.layout import FileEntry
+
+    size = 8 * wsum.ROW
+    entry = FileEntry("f.safetensors", 1 << 20, 2 * size, "safetensors")
+    model = layout.ModelEntry("m", "", "committed", [entry], chunk_size=size)
+    return entry, size, {entry.name: FilePlan(entry, entry.offset + 8, size,
+                                              checksum.model_chunks(model, [entry]))}
+
+
+def test_device_verifier_starts_nothing_before_a_batch_and_reports_a_failure_once():
+    """A load that fails before any chunk landed ends the check at once, with its error;
+    a tensor reported afterwards starts no thread and no second report."""
+    from csi_pmem.loader.gpuverify import DeviceVerifier
+
+    entry, size, plans = _one_file_plan()
+    reports = []
+    v = DeviceVerifier(None, plans, None, lambda bad, exc: reports.append((bad, exc)))
+    v.submit(entry.name, None, 0, entry.offset, entry.offset + size // 2)  # no chunk yet
+    assert v._thread is None and reports == []
+    v.fail(RuntimeError("copy failed"))
+    v.submit(entry.name, None, 0, entry.offset, entry.end)  # both chunks complete now
+    assert v._thread is None
+    assert [(bad, str(exc)) for bad, exc in reports] == [([], "copy failed")]
+
+
+def test_device_verifier_without_a_stream_reports_why(monkeypatch):
+    """The first complete batch starts the checking thread; when it cannot make its
+    stream (here: no CUDA), the check ends once with that error, not with silence."""
+    from csi_pmem.loader import gpuverify
+
+    def no_stream(device):
+        raise LayoutError("no stream here")
+
+    monkeypatch.setattr(gpuverify, "side_stream", no_stream)
+    entry, _, plans = _one_file_plan()
+    done = threading.Event()
+    reports = []
+
+    def report(bad, exc):
+        reports.append((bad, exc))
+        done.set()
+
+    v = gpuverify.DeviceVerifier(None, plans, None, report)
+    v.submit(entry.name, None, 0, entry.offset, entry.end)
+    assert done.wait(10)
+    v._thread.join(10)
+    assert [str(exc) for _, exc in reports] == ["no stream here"]
