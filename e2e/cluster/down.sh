@@ -147,14 +147,26 @@ done
 left=$(awk -v r="${ROOT}" '$5 == r || index($5, r "/") == 1' /proc/self/mountinfo | wc -l)
 ((left == 0)) || log "WARNING: ${left} mounts below ${ROOT} could not be removed"
 
-left_loops=$(our_loops | xargs)
-[[ -z "${left_loops}" ]] || log "WARNING: loop devices of the test bed still attached: ${left_loops}"
+# Anything of the test bed still there after this is a leak, and fails the tear-down
+# (and so the run): test_node_crash.py leaves a dead node with a pod on it for this.
+leaked=0
+for i in $(seq 25); do  # autoclear loops go once their last user does: give it 5 s
+  left_loops=$(our_loops | xargs)
+  [[ -z "${left_loops}" ]] && break
+  sleep 0.2
+done
+[[ -z "${left_loops}" ]] || { log "LEAK: loop devices of the test bed still attached:" \
+  "${left_loops}"; leaked=1; }
 
 # 7. Cgroups (children first), interfaces, iptables chains.
 for c in /sys/fs/cgroup/*/"${CGROUP_ROOT}"; do
   [[ -d "${c}" ]] || continue
-  find "${c}" -depth -type d -exec rmdir {} \; 2>/dev/null
-  [[ -d "${c}" ]] && log "WARNING: cgroup ${c} still has members"
+  for i in $(seq 25); do  # processes killed in step 4 may still be exiting
+    find "${c}" -depth -type d -exec rmdir {} \; 2>/dev/null
+    [[ -d "${c}" ]] || break
+    sleep 0.2
+  done
+  [[ -d "${c}" ]] && { log "LEAK: cgroup ${c} still has members"; leaked=1; }
 done
 net_down "${ROOT}"
 
@@ -185,6 +197,7 @@ if [[ -z "$(awk -v r="${ROOT}" '$5 == r || index($5, r "/") == 1' /proc/self/mou
 then
   rm -rf "${ROOT}"
   log "removed ${ROOT}; logs in $(readlink -f "${LOG_DIR}")"
+  exit "${leaked}"
 else
   log "WARNING: left ${ROOT} in place (mounts remain)"
   exit 1

@@ -10,7 +10,8 @@
 # Env: CSI_PMEM_CACHE (binary and image cache), E2E_ROOT (default /tmp/csi-pmem-e2e),
 #      E2E_RESULTS (default build/e2e-cluster): junit.xml, results.json, timings, logs,
 #      E2E_NODES (default 2): 2 runs test_cluster.py on node A, then test_two_nodes.py
-#      on both; 1 brings up node A alone and runs test_cluster.py only.
+#      on both, then test_node_crash.py (kills node B; down.sh cleans up after it);
+#      1 brings up node A alone and runs test_cluster.py only.
 #      E2E_NRI=1: containerd 2.x with NRI (build.sh containerd nri) and test_nri.py too.
 set -euo pipefail
 shopt -s inherit_errexit
@@ -25,7 +26,7 @@ while (($#)); do
     --keep) keep=1 ;;
     --storage-e2e) storage=1 ;;
     --) shift; pytest_args=("$@"); break ;;
-    -h|--help) sed -n 2,11p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,15p "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -66,6 +67,8 @@ if [[ "${E2E_NRI:-0}" == 1 ]]; then
   step build-nri "${s}"
   tests+=("${here}/test_nri.py")
 fi
+# Last: it leaves node B dead with a pod on it, for the tear-down to clean up.
+[[ "${E2E_NODES}" == 1 ]] || tests+=("${here}/test_node_crash.py")
 s=$(date +%s); images_env=$(bash "${here}/images.sh" "${bindir}" | tail -1); step images "${s}"
 
 cleanup() {

@@ -227,7 +227,6 @@ def release(k: TwoNodes):
     deleted refuses new objects."""
     wait_until("test_cluster.py's capacity objects gone", lambda: not k.storage
                .list_namespaced_csi_storage_capacity(DRIVER_NS).items, 120)
-    wait_until(f"namespace {NS} gone", lambda: not k._exists(k.core.read_namespace, NS), 120)
     t0 = time.monotonic()
     procs = [
         helm_install(k, RELEASE_A, k.node, POOLS_A, "--set-json",
@@ -245,14 +244,7 @@ def release(k: TwoNodes):
         wait_until(f"driver pod on {node} ready", lambda node=node: k.driver_ready_on(node),
                    180)
     record("helm_install_both_to_ready_seconds", round(time.monotonic() - t0, 1))
-    k.core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {
-        "name": NS, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
-                               "pod-security.kubernetes.io/enforce-version": "latest"}}})
-    k.core.create_namespaced_config_map(NS, {
-        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "e2e-workload"},
-        "data": {"workload.py": (HERE / "workload.py").read_text()}})
-    wait_until("service account default in the test namespace",
-               lambda: k.core.read_namespaced_service_account("default", NS), 60)
+    workload_namespace(k)
     yield k
     out = RESULTS_DIR / "driver-logs"
     out.mkdir(parents=True, exist_ok=True)
@@ -274,6 +266,20 @@ def release(k: TwoNodes):
     for rel in (RELEASE_B, RELEASE_A):
         k.run("helm", "uninstall", rel, "--namespace", DRIVER_NS, "--wait",
               "--timeout", "2m", check=False)
+
+
+def workload_namespace(k: TwoNodes) -> None:
+    """The workloads' namespace (Pod Security "restricted") with workload.py in a
+    ConfigMap, once an earlier one of the same name is gone."""
+    wait_until(f"namespace {NS} gone", lambda: not k._exists(k.core.read_namespace, NS), 120)
+    k.core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": NS, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
+                               "pod-security.kubernetes.io/enforce-version": "latest"}}})
+    k.core.create_namespaced_config_map(NS, {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "e2e-workload"},
+        "data": {"workload.py": (HERE / "workload.py").read_text()}})
+    wait_until("service account default in the test namespace",
+               lambda: k.core.read_namespaced_service_account("default", NS), 60)
 
 
 def class_params(k: TwoNodes, cls: str) -> dict[str, str]:
