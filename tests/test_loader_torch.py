@@ -349,14 +349,14 @@ def test_both_bounce_copies_are_bit_exact(models, monkeypatch, copy):
     (or a missing cuda-python) falls back to."""
     if copy == "driver" and not _cuda_bindings():
         pytest.skip("needs cuda-bindings")
-    from csi_pmem.loader.gpu import GpuLoader
+    from csi_pmem.loader.gpu import GpuLoader, _DriverCopy
 
     monkeypatch.setenv("CSI_PMEM_BOUNCE_COPY", copy)
     vol = lm.staged_volume(models / "sharded", models / "sharded.vol")
     with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=3, mode="bounce") as loader, \
             open_volume(vol) as v:
         got = load_safetensors(v, "cuda:0", loader=loader)
-        assert (loader._backend._driver is not None) == (copy == "driver")
+        assert isinstance(loader._backend._copy, _DriverCopy) == (copy == "driver")
     assert_same(got, reference(models / "sharded"))
 
 

@@ -47,7 +47,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from csi_pmem.gpucopy import protocol
 from csi_pmem.gpucopy.copier import CopyError
@@ -184,7 +184,8 @@ class PinnedArena:
 
 
 class _TorchBackend:
-    """Pinned buffers, their events and the copy stream of one device."""
+    """Pinned buffers, the copy stream of one device, and how chunks cross to it (a
+    :class:`_DriverCopy`, or a :class:`_TorchCopy` without cuda-python)."""
 
     def __init__(self, device: Any, nbuffers: int, buffer_size: int):
         torch = _torch()
@@ -194,17 +195,15 @@ class _TorchBackend:
         self.buffers = [whole[i * buffer_size:(i + 1) * buffer_size] for i in range(nbuffers)]
         self.addresses = [b.data_ptr() for b in self.buffers]
         self.stream = torch.cuda.Stream(device=device)
-        self._driver = _driver_copy(device, self.stream, nbuffers)
-        self.events = [] if self._driver else [torch.cuda.Event() for _ in range(nbuffers)]
+        self._copy: _Copy = (_driver_copy(device, self.stream, self.addresses)
+                             or _TorchCopy(self.stream, self.buffers))
         self.targets: list[Any] = []
         log.debug("allocated %d pinned buffers of %s (%s) in %.3f s", nbuffers,
                   format_size(buffer_size), self.arena.kind, self.arena.seconds)
 
     def close(self) -> None:
+        self._copy.close()
         self.buffers, self.addresses = [], []
-        if self._driver is not None:
-            self._driver.close()
-            self._driver = None
         self.arena.close()
 
     def thread_init(self) -> None:
@@ -218,22 +217,45 @@ class _TorchBackend:
         return self.addresses[buf]
 
     def transfer(self, buf: int, chunk: planning.Chunk) -> None:
-        if self._driver is not None:
-            self._driver.transfer(buf, self.targets[chunk.target].data_ptr() + chunk.dst,
-                                  self.addresses[buf], chunk.nbytes)
-            return
-        dst = self.targets[chunk.target][chunk.dst:chunk.dst + chunk.nbytes]
-        dst.copy_(self.buffers[buf][:chunk.nbytes], non_blocking=True)
+        self._copy.transfer(buf, self.targets[chunk.target], chunk.dst, chunk.nbytes)
+
+    def wait(self, buf: int) -> None:
+        self._copy.wait(buf)
+
+
+class _Copy(Protocol):
+    """How a filled bounce buffer reaches the device: enqueue its first ``nbytes`` to
+    ``target[dst:]`` on the backend's stream and mark the buffer busy; ``wait`` until
+    it is free again."""
+
+    def transfer(self, buf: int, target: Any, dst: int, nbytes: int) -> None: ...
+
+    def wait(self, buf: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _TorchCopy:
+    """Transfers through torch: ``Tensor.copy_`` and an ``Event`` per buffer, on the
+    current stream (the backend's, set per thread by ``thread_init``)."""
+
+    def __init__(self, stream: Any, buffers: list[Any]):
+        torch = _torch()
+        self.stream, self.buffers = stream, buffers
+        self.events = [torch.cuda.Event() for _ in buffers]
+
+    def transfer(self, buf: int, target: Any, dst: int, nbytes: int) -> None:
+        target[dst:dst + nbytes].copy_(self.buffers[buf][:nbytes], non_blocking=True)
         self.events[buf].record(self.stream)
 
     def wait(self, buf: int) -> None:
-        if self._driver is not None:
-            self._driver.wait(buf)
-            return
         self.events[buf].synchronize()
 
+    def close(self) -> None:
+        self.events = []
 
-def _driver_copy(device: Any, stream: Any, nbuffers: int) -> _DriverCopy | None:
+
+def _driver_copy(device: Any, stream: Any, addresses: list[int]) -> _DriverCopy | None:
     """The driver-call transfer unless ``CSI_PMEM_BOUNCE_COPY=torch`` asks for torch's
     ``copy_``, or cuda-python is not installed (then torch's, with a debug line)."""
     choice = os.environ.get("CSI_PMEM_BOUNCE_COPY", "driver")
@@ -244,7 +266,7 @@ def _driver_copy(device: Any, stream: Any, nbuffers: int) -> _DriverCopy | None:
         return None
     try:
         index = device.index if device.index is not None else _torch().cuda.current_device()
-        return _DriverCopy(index, stream.cuda_stream, nbuffers)
+        return _DriverCopy(index, stream.cuda_stream, addresses)
     except ImportError as exc:
         log.debug("bounce copies through torch: cuda-python is not importable (%s)", exc)
     except CopyError as exc:
@@ -265,7 +287,7 @@ class _DriverCopy:
     load orders behind it.
     """
 
-    def __init__(self, device_index: int, stream_handle: int, nbuffers: int):
+    def __init__(self, device_index: int, stream_handle: int, addresses: list[int]):
         from csi_pmem.gpucopy.cuda import check, driver
 
         cu = self.cu = driver()
@@ -275,11 +297,12 @@ class _DriverCopy:
                           "retaining the GPU's primary context")
         self._tls = threading.local()
         self.events: list[Any] = []
+        self.addresses = addresses  # of the bounce buffers, one event each
         try:
             self._current()
             self.stream = cu.CUstream(stream_handle)
             flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-            for _ in range(nbuffers):
+            for _ in addresses:
                 self.events.append(check(cu, cu.cuEventCreate(flags), "cuEventCreate"))
         except BaseException:
             self.close()  # the events made so far and the context reference
@@ -290,10 +313,11 @@ class _DriverCopy:
             self._check(self.cu, self.cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
             self._tls.ok = True
 
-    def transfer(self, buf: int, dst: int, src: int, nbytes: int) -> None:
+    def transfer(self, buf: int, target: Any, dst: int, nbytes: int) -> None:
         cu = self.cu
         self._current()
-        err, = cu.cuMemcpyHtoDAsync(dst, src, nbytes, self.stream)
+        err, = cu.cuMemcpyHtoDAsync(target.data_ptr() + dst, self.addresses[buf], nbytes,
+                                    self.stream)
         if int(err) == 0:
             err, = cu.cuEventRecord(self.events[buf], self.stream)
         if int(err) != 0:

@@ -249,7 +249,7 @@ def test_bounce_copy_choice_is_checked(monkeypatch):
     from csi_pmem.loader.gpu import _driver_copy
 
     monkeypatch.setenv("CSI_PMEM_BOUNCE_COPY", "torch")
-    assert _driver_copy(None, None, 4) is None
+    assert _driver_copy(None, None, [0] * 4) is None
     monkeypatch.setenv("CSI_PMEM_BOUNCE_COPY", "dirver")
     with pytest.raises(LoaderError, match=r"'dirver'.*driver.*torch"):
-        _driver_copy(None, None, 4)
+        _driver_copy(None, None, [0] * 4)
