@@ -29,6 +29,10 @@ Methods:
                       load_safetensors(view, device=DEV) (sha256 verification on: the
                       API's default), load_state_dict(assign=True), buffers rebuilt
   csi-pmem-noverify   the same with verify=False (what the peers do: no checksum)
+  csi-pmem-node       as csi-pmem, from a published directory whose gpu.sock reaches the
+                      node's GPU copy service in its own process
+                      (csi_pmem.gpucopy.standalone, as deployed; needs cuda-bindings); the
+                      row fails if the load took any other path
   csi-pmem-overlap    start_load() first, the meta model is built while the weights move
                       (what the futures are for), then as csi-pmem
   csi-pmem-aligned    as csi-pmem, then every weight whose device address is not 16-byte
@@ -55,6 +59,7 @@ CPU dry run with a tiny model (views of the mapping instead of GPU copies):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import json
@@ -73,7 +78,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 MiB = 1 << 20
 STAGED_NAME = "ready"
 METHODS = ("from_pretrained", "csi-pmem", "csi-pmem-noverify", "csi-pmem-overlap",
-           "csi-pmem-aligned", "instanttensor")
+           "csi-pmem-aligned", "csi-pmem-node", "instanttensor")
+NODE = "csi-pmem-node"
 # csi-pmem-aligned is a diagnosis, not a default: the default model's shards happen to
 # start their data 16-byte aligned (misaligned16 = 0), so it would repeat csi-pmem.
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "csi-pmem-aligned")
@@ -189,7 +195,9 @@ def run_worker(args: argparse.Namespace, method: str, src: str, volume: str,
     """Exit code and the worker's JSON line (None if it printed none). Its stderr goes
     straight to ours (progress, warnings, tracebacks)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+               # in-pod rows must not reach a service, the node row must
+               CSI_PMEM_GPU_COPY="auto" if method == NODE else "off")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     try:
         proc = subprocess.run(worker_argv(args, method, src, volume, rnd), env=env,
@@ -289,21 +297,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def harness(args: argparse.Namespace) -> int:
-    os.makedirs(os.path.join(args.work, "logits"), exist_ok=True)
-    src, fresh = ensure_model(args)
-    volume, staging = ensure_volume(args, src, fresh)
-    methods = args.methods.split(",")
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise SystemExit(f"unknown method(s) {', '.join(bad)}; known: {', '.join(METHODS)}")
-    runs = []
+def rounds(args: argparse.Namespace, methods: list[str], src: str, volume: str,
+           published: str | None, runs: list[dict]) -> None:
+    """Every method once per round, a fresh process each, the order rotated; the node
+    method loads from ``published``, the others from ``volume`` in-pod."""
     for rnd in range(1, args.rounds + 1):
         k = (rnd - 1) % len(methods)  # rotate: no method always runs first
         for m in methods[k:] + methods[:k]:
             log(f"round {rnd}/{args.rounds}: {m} ...")
             t = time.perf_counter()
-            rc, out = run_worker(args, m, src, volume, rnd)
+            rc, out = run_worker(args, m, src, published if m == NODE else volume, rnd)
             out = dict(out or {"method": m, "round": rnd, "status": "no output"})
             out.update(exit_code=rc, wall_s=round(time.perf_counter() - t, 3))
             if rc != 0 and out.get("status") == "ok":
@@ -314,6 +317,25 @@ def harness(args: argparse.Namespace) -> int:
                     f"context {out['context_s']:.2f} s, process {out['wall_s']:.1f} s)")
             else:
                 log(f"  {m}: {out.get('status')} (exit code {rc}) {out.get('error', '')}")
+
+
+def harness(args: argparse.Namespace) -> int:
+    os.makedirs(os.path.join(args.work, "logits"), exist_ok=True)
+    src, fresh = ensure_model(args)
+    volume, staging = ensure_volume(args, src, fresh)
+    methods = args.methods.split(",")
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise SystemExit(f"unknown method(s) {', '.join(bad)}; known: {', '.join(METHODS)}")
+    runs = []
+    with contextlib.ExitStack() as stack:
+        published = None
+        if NODE in methods:
+            from csi_pmem.gpucopy.standalone import published as serve
+
+            published = stack.enter_context(serve(volume, os.path.join(args.work,
+                                                                       "published")))
+        rounds(args, methods, src, volume, published, runs)
     rows = summarize(runs, methods)
     info = next((r for r in runs if r.get("status") == "ok"), {})
     env = {"python": platform.python_version(), "kernel": platform.release(),
@@ -502,6 +524,13 @@ def ready(torch, method: str, args: argparse.Namespace) -> tuple[object, dict]:
         t = time.perf_counter()
         if method == "csi-pmem-overlap":
             sd = handle.result()  # load_s: the wait left after the build
+        elif method == NODE:
+            handle = start_load(view, args.device)
+            sd = handle.result()
+            if handle.path != "node":
+                raise RuntimeError(f"the load took the {handle.path} path, not the node's "
+                                   "GPU copy service")
+            phases["how"] = "node's GPU copy service"
         else:
             sd = load_safetensors(view, device=args.device,
                                   verify=method != "csi-pmem-noverify")
@@ -573,6 +602,8 @@ def worker(args: argparse.Namespace) -> int:
         elif method.startswith("csi-pmem"):
             import csi_pmem.loader
             import csi_pmem.loader.gpu  # noqa: F401
+            if method == NODE:
+                import cuda.bindings.driver  # what the node path calls, before the clock
     except ImportError as exc:
         out.update(status=NOT_INSTALLED, error=str(exc))
         print(json.dumps(out), flush=True)
