@@ -26,8 +26,8 @@ Methods:
                       it: from_pretrained(dir, dtype=bf16).to(DEV) (the row says which).
                       ``dtype``: transformers 5's name for the deprecated ``torch_dtype``
   csi-pmem            config.json from the volume, model built on the meta device,
-                      load_safetensors(view, device=DEV) (sha256 verification on: the
-                      API's default), load_state_dict(assign=True), buffers rebuilt
+                      load_safetensors(view, device=DEV) (verification on: the API's
+                      default), load_state_dict(assign=True), buffers rebuilt
   csi-pmem-noverify   the same with verify=False (what the peers do: no checksum)
   csi-pmem-node       as csi-pmem, from a published directory whose gpu.sock reaches the
                       node's GPU copy service in its own process
