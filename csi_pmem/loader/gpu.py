@@ -252,7 +252,7 @@ class _TorchCopy:
         self.events[buf].synchronize()
 
     def close(self) -> None:
-        self.events = []
+        self.events, self.buffers = [], []  # the views go before the arena does
 
 
 def _driver_copy(device: Any, stream: Any, addresses: list[int]) -> _DriverCopy | None:
