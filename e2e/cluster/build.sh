@@ -251,7 +251,9 @@ bindir="${cdir}/bin-$(key_of "$(cat "${here}/versions.sh")" \
 t_all=$(date +%s)
 dirs=()
 for t in "${targets[@]}"; do
-  d=$("build_${t}" | tail -1)
+  # One build of a target at a time (prebuild.sh may be building it in the background):
+  # whoever comes second waits, then finds it cached.
+  d=$( { flock 9; "build_${t}"; } 9>"${cdir}/.lock-${t}" | tail -1)
   [[ "${t}" == debs ]] || dirs+=("${d}")
 done
 if [[ "${#targets[@]}" -ge 6 ]]; then
