@@ -37,6 +37,17 @@ stop_pid() {
   fi
   log "stopped ${name} (pid ${pid})"
 }
+# procs_of STRING: PIDs of the processes whose command line contains STRING (not this
+# script's).
+procs_of() {
+  local p
+  for p in /proc/[0-9]*; do
+    p=${p#/proc/}
+    [[ "${p}" == "$$" ]] && continue
+    tr '\0' ' ' < "/proc/${p}/cmdline" 2>/dev/null | grep -qF -- "$1" && echo "${p}"
+  done
+  return 0
+}
 stop_recorded() {  # stop_recorded NAME
   local f="${ROOT}/pids/$1.pid"
   [[ -f "${f}" ]] || return 0
@@ -77,6 +88,11 @@ for f in "${ctrd}"/state/io.containerd.runtime.v2.task/*/*/shim.pid; do
   [[ -f "${f}" ]] || continue
   stop_pid "shim $(basename "$(dirname "${f}")" | cut -c1-12)" "$(cat "${f}")" "${sock}"
 done
+# Shims whose containerd died (a crashed node) are found by the socket they were
+# started for: containerd 1.x writes no shim.pid for a pod's grouped shim.
+for pid in $(procs_of "-address ${sock}"); do
+  stop_pid "shim ${pid}" "${pid}" "${sock}"
+done
 for f in "${ctrd}"/state/io.containerd.runtime.v2.task/*/*/init.pid; do
   [[ -f "${f}" ]] || continue
   pid=$(cat "${f}")
@@ -103,6 +119,12 @@ for c in /sys/fs/cgroup/*/"${CGROUP_ROOT}"; do
   for p in $(find "${c}" -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u); do
     kill -KILL "${p}" 2>/dev/null && log "killed leftover pod process ${p}"
   done
+done
+
+# Last, anything that still names the root on its command line (a shim, a daemon whose
+# PID file was lost) is ours.
+for pid in $(procs_of "${ROOT}/"); do
+  kill -KILL "${pid}" 2>/dev/null && log "killed leftover process ${pid}"
 done
 
 # 5. Loop devices of the test bed: backed by a file below the root (the driver's fsdax
@@ -157,6 +179,14 @@ for i in $(seq 25); do  # autoclear loops go once their last user does: give it 
 done
 [[ -z "${left_loops}" ]] || { log "LEAK: loop devices of the test bed still attached:" \
   "${left_loops}"; leaked=1; }
+
+for i in $(seq 25); do  # killed above: give them 5 s to go
+  left_procs=$(procs_of "${ROOT}/" | xargs)
+  [[ -z "${left_procs}" ]] && break
+  sleep 0.2
+done
+[[ -z "${left_procs}" ]] || { log "LEAK: processes of the test bed still running:" \
+  "${left_procs}"; leaked=1; }
 
 # 7. Cgroups (children first), interfaces, iptables chains.
 for c in /sys/fs/cgroup/*/"${CGROUP_ROOT}"; do

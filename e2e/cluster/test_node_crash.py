@@ -4,9 +4,12 @@ the test bed's tear-down still leaves nothing behind.
 Why: a kubelet and containerd that die (OOM-killed, a crashed node) leave the pod's
 containers running under their shims, and the driver's publish mounts and the pod's
 volume in place; nothing in Kubernetes unpublishes them any more. down.sh finds what is
-left by what it is, not by asking the dead daemons: the shim PIDs containerd recorded,
-the processes in the test bed's cgroups, the mounts below E2E_ROOT, the loop devices
-backed by files there. It fails the run when any of them is left. This module hands it
+left by what it is, not by asking the dead daemons: the shims by the socket on their
+command line, the processes in the test bed's cgroups or naming E2E_ROOT, the mounts
+below E2E_ROOT, the loop devices backed by files there. It fails the run when any of
+them is left. The first run of this module found two shims of the dead node that
+down.sh left running: it looked for shim.pid files, which containerd 1.x does not
+write for a pod's grouped shim. This module hands it
 exactly that state: it kills node B's kubelet and containerd with SIGKILL while a pod
 holds a devdax volume of ours there, checks that the pod and its mounts outlived them,
 and cleans nothing up. So the check of this scenario is run.sh's tear-down, which
@@ -51,6 +54,17 @@ def alive(pid: int) -> bool:
         return False
 
 
+def pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def test_node_b_dies_with_a_pod_holding_a_volume() -> None:
     k = TwoNodes()
     # test_two_nodes.py's releases are gone: this one, on B alone, brings the CSIDriver
@@ -79,10 +93,11 @@ def test_node_b_dies_with_a_pod_holding_a_volume() -> None:
     wait_until("node B's kubelet and containerd dead",
                lambda: not any(alive(pid) for pid in daemons.values()), 30)
 
-    # What a crash leaves: the containers under their shims, the mounts.
-    tasks = root / "node-b" / "containerd" / "state" / "io.containerd.runtime.v2.task"
-    shims = [int(f.read_text()) for f in tasks.glob("*/*/shim.pid")]
-    assert shims and all(alive(pid) for pid in shims), (shims, [alive(p) for p in shims])
+    # What a crash leaves: the pods' shims (orphans now) with their containers, the
+    # mounts. A shim names its containerd's socket on its command line.
+    sock = f"-address {root}/node-b/containerd/containerd.sock"
+    shims = [pid for pid in pids() if sock in cmdline(pid)]
+    assert shims and all(alive(pid) for pid in shims), shims
     assert set(published) <= set(k.mounts_below(kdir + "/pods"))
     print(f"\nnode B crashed with {len(shims)} shim(s) and {len(published)} publish "
           f"mount(s) left for down.sh")
