@@ -167,6 +167,44 @@ def test_registration_follows_the_index(work, node_factory):
     assert node.copier.registered == {} and "csi-0123" not in node.service.volumes
 
 
+def test_an_unchanged_index_is_not_read_again(work, node_factory, monkeypatch):
+    """Every pod's first request refreshes the registrations: with the index as it was,
+    that compares the slot headers and reads nothing else (it used to hash and parse
+    the whole index on the way to the first copy)."""
+    from csi_pmem.gpucopy import service as service_mod
+
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    node.prepare()
+    with open_volume(vol) as v:
+        files = layout.read_index(v).select().safetensors
+    deadline = time.monotonic() + 10
+    while len(node.copier.registered) < len(files) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    reads: list[int] = []
+    real = service_mod.read_index
+    monkeypatch.setattr(service_mod, "read_index", lambda v: reads.append(1) or real(v))
+    state = node.service.volumes["csi-0123"]
+    state.refresh()
+    time.sleep(0.3)  # the poller (every 0.05 s) refreshes too
+    assert reads == []
+    lm.sharded_model(work / "src-b")
+    with open_volume(vol, writable=True) as v:
+        stage(v, str(work / "src-b"), name="b")
+    state.refresh()
+    assert reads and len(node.copier.registered) == 2 * len(files)
+
+
+def test_index_heads_change_with_every_index_write(work):
+    vol, _ = staged(work)
+    with open_volume(vol, writable=True) as v:
+        before = layout.index_heads(v)
+        assert layout.index_heads(v) == before
+        index = layout.read_index(v)
+        layout.write_index(v, index)
+        assert layout.index_heads(v) != before
+
+
 def test_a_client_that_never_prepared_is_served_from_the_forwarded_fd(work, node_factory):
     vol, _ = staged(work)
     node = node_factory(vol)  # no prepare: e.g. the service restarted since publish

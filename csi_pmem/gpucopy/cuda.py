@@ -26,6 +26,8 @@ from csi_pmem.gpucopy.copier import CopyError, HostCopy, Target
 
 log = logging.getLogger(__name__)
 
+EVENTS_AHEAD = 512  # per GPU: a 15 GB model is about 230 copies of 64 MiB
+
 
 def driver() -> Any:
     from cuda.bindings import driver as cu
@@ -63,7 +65,7 @@ class CudaTarget:
     def __init__(self, copier: CudaCopier, fd: int, size: int, gpu: str):
         cu = copier.cu
         self.gpu, self.size = gpu, size
-        self._cu = cu
+        self._cu, self._copier = cu, copier
         self._stream: Any = None
         self.handle = check(cu, cu.cuMemImportFromShareableHandle(
             fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
@@ -105,18 +107,19 @@ class CudaTarget:
         return int(self.ptr)
 
     def stream(self) -> Any:
-        """This target's copy stream (created on first use, on its GPU)."""
+        """This target's copy stream (taken from the copier's pool on first use)."""
         if self._stream is None:
-            cu = self._cu
-            self._stream = check(cu, cu.cuStreamCreate(
-                cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "creating a stream")
+            self._stream = self._copier.take_stream(self.ordinal)
         return self._stream
 
     def close(self) -> None:
         cu = self._cu
         if self._stream is not None:
-            cu.cuStreamSynchronize(self._stream)  # nothing may still write the memory
-            cu.cuStreamDestroy(self._stream)
+            # Nothing may still write the memory once it is unmapped.
+            if int(cu.cuStreamSynchronize(self._stream)[0]) == 0:
+                self._copier.give_stream(self.ordinal, self._stream)
+            else:  # a faulted stream is not handed to the next pod
+                cu.cuStreamDestroy(self._stream)
             self._stream = None
         if self.ptr is not None:
             cu.cuMemUnmap(self.ptr, self.size)
@@ -139,6 +142,15 @@ class CudaCopier:
                                        .bytes)) for d in self._devices]
         self._contexts: dict[int, Any] = {}
         self._lock = threading.Lock()
+        # Streams and events are made ahead and reused (per GPU: both belong to its
+        # context). A fresh pod's first request used to create its stream and an event
+        # per copy on the way to its first byte.
+        self._streams: dict[int, list[Any]] = {}
+        self._events: dict[int, list[Any]] = {}
+        for ordinal in range(count):
+            self.make_current(ordinal)
+            self.give_stream(ordinal, self._new_stream())
+            self._events[ordinal] = [self._new_event() for _ in range(EVENTS_AHEAD)]
         # Registrations are portable: made once, under the first GPU's context.
         if count:
             self.make_current(0)
@@ -146,6 +158,37 @@ class CudaCopier:
 
     def gpus(self) -> list[str]:
         return list(self._uuids)
+
+    def _new_stream(self) -> Any:
+        cu = self.cu
+        return check(cu, cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING),
+                     "creating a stream")
+
+    def _new_event(self) -> Any:
+        cu = self.cu
+        return check(cu, cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                     "creating an event")
+
+    def take_stream(self, ordinal: int) -> Any:
+        """An idle stream of GPU ``ordinal`` (its context current)."""
+        with self._lock:
+            free = self._streams.setdefault(ordinal, [])
+            if free:
+                return free.pop()
+        self.make_current(ordinal)
+        return self._new_stream()
+
+    def give_stream(self, ordinal: int, stream: Any) -> None:
+        """Return a stream with nothing queued on it."""
+        with self._lock:
+            self._streams.setdefault(ordinal, []).append(stream)
+
+    def _take_event(self, ordinal: int) -> Any:
+        with self._lock:
+            free = self._events.setdefault(ordinal, [])
+            if free:
+                return free.pop()
+        return self._new_event()  # the caller made the context current
 
     def uuid_of(self, ordinal: int) -> str:
         if not 0 <= ordinal < len(self._uuids):
@@ -190,8 +233,7 @@ class CudaCopier:
         tokens = []
         for src, dst, n in copies:
             check(cu, cu.cuMemcpyHtoDAsync(base + dst, src, n, stream), "cuMemcpyHtoDAsync")
-            ev = check(cu, cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
-                       "creating an event")
+            ev = self._take_event(target.ordinal)
             check(cu, cu.cuEventRecord(ev, stream), "recording an event")
             tokens.append((target, ev))
         return tokens
@@ -200,7 +242,9 @@ class CudaCopier:
         cu = self.cu
         target, ev = token
         self.make_current(target.ordinal)
-        try:
-            check(cu, cu.cuEventSynchronize(ev), "waiting for a copy")
-        finally:
-            cu.cuEventDestroy(ev)
+        err, = cu.cuEventSynchronize(ev)
+        if int(err) != 0:
+            cu.cuEventDestroy(ev)  # not reused: it may belong to a faulted stream
+            check(cu, (err,), "waiting for a copy")
+        with self._lock:  # complete: reusable by the next copy
+            self._events.setdefault(target.ordinal, []).append(ev)

@@ -37,7 +37,7 @@ from typing import Any
 from csi_pmem.gpucopy import protocol
 from csi_pmem.gpucopy.copier import Copier, CopyError, HostCopy
 from csi_pmem.loader.errors import LoaderError
-from csi_pmem.loader.layout import read_index
+from csi_pmem.loader.layout import index_heads, read_index
 from csi_pmem.loader.volume import Volume, buffer_address
 from csi_pmem.sizes import round_up
 
@@ -66,6 +66,7 @@ class VolumeState:
                              source=f"volume {self.id}")
         self.registered: dict[int, int] = {}
         self.generation: int | None = None
+        self._heads: bytes | None = None  # index_heads() at the last full read
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._active = 0
@@ -81,6 +82,9 @@ class VolumeState:
         with self._lock:
             if self._closed:
                 return
+            heads = index_heads(self.volume)
+            if heads == self._heads:
+                return  # no index write since the last read
             try:
                 index = read_index(self.volume)
             except LoaderError as exc:  # a stage in progress, a torn read: next time
@@ -88,6 +92,7 @@ class VolumeState:
                 return
             generation = None if index is None else index.generation
             if generation == self.generation:
+                self._heads = heads
                 return
             wanted: dict[int, int] = {}
             for model in [] if index is None else index.committed():
@@ -111,6 +116,7 @@ class VolumeState:
                 self.registered[off] = n
                 added += n
             self.generation = generation
+            self._heads = heads
         if added:
             log.info("volume %s: registered %.2f GB in %.3f s (index generation %s)",
                      self.id, added / 1e9, time.monotonic() - started, generation)

@@ -848,6 +848,10 @@ class GpuLoader:
                 yield fds[-1], protocol.CopyRequest(alloc.uuid, alloc.size, tuple(
                     protocol.Copy(c.pieces[0].src, c.dst, c.nbytes) for c in by_target[i]))
                 t = time.monotonic()
+                # Sent: the message holds the allocation now. Closed here, while the
+                # copies run: closing the three fds after the last copy took 1.2-1.5 ms
+                # of the load's end.
+                os.close(fds.pop())
                 # The tensors keep the allocation alive from now on.
                 target.attach(torch.as_tensor(alloc, device=self.device)[:target.size])
                 plan.ready(i)
@@ -865,15 +869,17 @@ class GpuLoader:
         try:
             report = session.copy(requests(), progress)
             log.debug("node copy: %d request(s), %.1f ms in all (the service: %.1f ms)",
-                      len(fds), (time.monotonic() - t0) * 1e3,
+                      len(targets), (time.monotonic() - t0) * 1e3,
                       float(report.get("seconds", 0)) * 1e3)
         except nodecopy.NodeCopyError as exc:
             self._node_fallback(socket_path, exc)
             return _unfinished(targets)
         finally:
+            t = time.monotonic()
             session.close()
-            for fd in fds:
+            for fd in fds:  # what a failed request left
                 os.close(fd)
+            log.debug("node copy: connection closed in %.2f ms", (time.monotonic() - t) * 1e3)
         self.node_copy_refused = None
         return None
 
