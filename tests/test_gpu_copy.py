@@ -142,15 +142,21 @@ def test_copies_land_bit_exact_with_progress(work, node_factory):
     assert node.dax.served == 1 and node.service.served == 1
 
 
-def test_registration_follows_the_index(work, node_factory):
-    vol, _ = staged(work)
-    node = node_factory(vol)
-    node.prepare()
+def wait_registered(node: Node, vol: Path) -> list:
+    """The committed model's safetensors files, once the service registered them all."""
     with open_volume(vol) as v:
         files = layout.read_index(v).select().safetensors
     deadline = time.monotonic() + 10
     while len(node.copier.registered) < len(files) and time.monotonic() < deadline:
         time.sleep(0.02)
+    return files
+
+
+def test_registration_follows_the_index(work, node_factory):
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    node.prepare()
+    files = wait_registered(node, vol)
     state = node.service.volumes["csi-0123"]
     assert sorted(off - state.address for off in node.copier.registered) == \
         [f.offset for f in files]
@@ -176,11 +182,7 @@ def test_an_unchanged_index_is_not_read_again(work, node_factory, monkeypatch):
     vol, _ = staged(work)
     node = node_factory(vol)
     node.prepare()
-    with open_volume(vol) as v:
-        files = layout.read_index(v).select().safetensors
-    deadline = time.monotonic() + 10
-    while len(node.copier.registered) < len(files) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    files = wait_registered(node, vol)
     reads: list[int] = []
     real = service_mod.read_index
     monkeypatch.setattr(service_mod, "read_index", lambda v: reads.append(1) or real(v))
