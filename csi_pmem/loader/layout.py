@@ -355,8 +355,11 @@ def index_heads(volume: Volume) -> bytes:
     (the GPU copy service, before every pod's first request) compares this instead of
     hashing and parsing both slots, which is most of a millisecond on the path to a
     fresh pod's first copy. A header being rewritten shows up as a change; the reader
-    then reads the index properly.
+    then reads the index properly. Empty for a volume too small to hold an index
+    (:func:`read_index` says why).
     """
+    if volume.size < INDEX_AREA:
+        return b""
     return b"".join(bytes(volume.view(slot * SLOT_SIZE, HEADER_SIZE)) for slot in range(SLOTS))
 
 
