@@ -294,6 +294,21 @@ class Cluster:
                     self.core.read_persistent_volume, pv), 180)
         return pv
 
+    def workload_namespace(self) -> None:
+        """The workloads' namespace (Pod Security "restricted") with workload.py in a
+        ConfigMap, once an earlier one of the same name is gone."""
+        wait_until(f"namespace {NS} gone",
+                   lambda: not self._exists(self.core.read_namespace, NS), 120)
+        self.core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {
+            "name": NS, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
+                                   "pod-security.kubernetes.io/enforce-version": "latest",
+                                   "pod-security.kubernetes.io/warn": "restricted"}}})
+        self.core.create_namespaced_config_map(NS, {
+            "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "e2e-workload"},
+            "data": {"workload.py": (HERE / "workload.py").read_text()}})
+        wait_until("service account default in the test namespace",
+                   lambda: self.core.read_namespaced_service_account("default", NS), 60)
+
     @staticmethod
     def _exists(read: Callable[..., Any], *args: str) -> bool:
         try:
@@ -373,15 +388,7 @@ def release(k: Cluster):
           "--wait", "--timeout", "5m")
     wait_until("driver pod ready", k.driver_ready, 180)
     record("helm_install_to_driver_ready_seconds", round(time.monotonic() - t0, 1))
-    k.core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {
-        "name": NS, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
-                               "pod-security.kubernetes.io/enforce-version": "latest",
-                               "pod-security.kubernetes.io/warn": "restricted"}}})
-    k.core.create_namespaced_config_map(NS, {
-        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "e2e-workload"},
-        "data": {"workload.py": (HERE / "workload.py").read_text()}})
-    wait_until("service account default in the test namespace",
-               lambda: k.core.read_namespaced_service_account("default", NS), 60)
+    k.workload_namespace()
     yield k
     k.save_driver_logs("final")
     # Workloads first (their volumes must be unpublished by a live driver), then the chart.

@@ -33,7 +33,6 @@ from test_two_nodes import (
     TwoNodes,
     _two_nodes,
     helm_install,
-    workload_namespace,
 )
 
 pytestmark = [
@@ -73,7 +72,7 @@ def test_node_b_dies_with_a_pod_holding_a_volume() -> None:
     out = install.communicate(timeout=400)[0]
     assert install.returncode == 0, f"helm install {RELEASE} failed:\n{out[-3000:]}"
     wait_until(f"driver pod on {k.node_b} ready", lambda: k.driver_ready_on(k.node_b), 180)
-    workload_namespace(k)
+    k.workload_namespace()
     k.pvc("crash", CLASS_AUTO, "1Gi")
     k.pod("crash", "crash", "hold", "seed-crash", node_selector=k.pinned(k.node_b))
     wait_until("the pod on B holding its volume's mapping",

@@ -37,7 +37,6 @@ from kubernetes.utils import parse_quantity
 from test_cluster import (
     DRIVER,
     DRIVER_NS,
-    HERE,
     NS,
     REPO,
     RESULTS_DIR,
@@ -244,7 +243,7 @@ def release(k: TwoNodes):
         wait_until(f"driver pod on {node} ready", lambda node=node: k.driver_ready_on(node),
                    180)
     record("helm_install_both_to_ready_seconds", round(time.monotonic() - t0, 1))
-    workload_namespace(k)
+    k.workload_namespace()
     yield k
     out = RESULTS_DIR / "driver-logs"
     out.mkdir(parents=True, exist_ok=True)
@@ -266,20 +265,6 @@ def release(k: TwoNodes):
     for rel in (RELEASE_B, RELEASE_A):
         k.run("helm", "uninstall", rel, "--namespace", DRIVER_NS, "--wait",
               "--timeout", "2m", check=False)
-
-
-def workload_namespace(k: TwoNodes) -> None:
-    """The workloads' namespace (Pod Security "restricted") with workload.py in a
-    ConfigMap, once an earlier one of the same name is gone."""
-    wait_until(f"namespace {NS} gone", lambda: not k._exists(k.core.read_namespace, NS), 120)
-    k.core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {
-        "name": NS, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
-                               "pod-security.kubernetes.io/enforce-version": "latest"}}})
-    k.core.create_namespaced_config_map(NS, {
-        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "e2e-workload"},
-        "data": {"workload.py": (HERE / "workload.py").read_text()}})
-    wait_until("service account default in the test namespace",
-               lambda: k.core.read_namespaced_service_account("default", NS), 60)
 
 
 def class_params(k: TwoNodes, cls: str) -> dict[str, str]:
