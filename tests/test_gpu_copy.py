@@ -183,6 +183,7 @@ def test_an_unchanged_index_is_not_read_again(work, node_factory, monkeypatch):
     node = node_factory(vol)
     node.prepare()
     files = wait_registered(node, vol)
+    assert len(node.copier.registered) == len(files)
     reads: list[int] = []
     real = service_mod.read_index
     monkeypatch.setattr(service_mod, "read_index", lambda v: reads.append(1) or real(v))
