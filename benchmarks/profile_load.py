@@ -30,7 +30,7 @@ def main() -> int:
     p.add_argument("volume")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--mode", default="auto")
-    p.add_argument("--buffers", type=int, default=12)
+    p.add_argument("--buffers", type=int, default=24)
     p.add_argument("--buffer-mib", type=int, default=8)
     p.add_argument("--threads", type=int, default=12)
     p.add_argument("--register-mib", type=int, default=256)

@@ -75,6 +75,14 @@ from csi_pmem.sizes import MiB, round_up
 
 log = logging.getLogger(__name__)
 
+# cuda-python's driver module is what the in-pod bounce copies (_DriverCopy) and the
+# node path call. It is imported with this module, which imports torch's CUDA side
+# anyway, and not inside the first load: a fresh process that imported it there paid
+# for the import in the load itself (the in-pod load measured 323-326 ms in
+# bench_fresh.py against 292-302 ms in profile_load.py, which imported it first).
+with contextlib.suppress(ImportError):
+    from cuda.bindings import driver as _cuda_driver  # noqa: F401
+
 BOUNCE = "bounce"
 REGISTERED = "registered"
 HYBRID = "hybrid"
@@ -499,7 +507,10 @@ def allocate(targets: list[FileTarget], device: Any, arena: Any = None) -> None:
         if arena is not None:
             log.warning("reserved device memory (%d bytes) is smaller than this load "
                         "(%d bytes); allocating afresh", arena.numel(), total)
+        started = time.monotonic()
         whole = torch.empty(total, dtype=torch.uint8, device=device)
+        log.debug("allocated %s of device memory in %.2f ms", format_size(total),
+                  (time.monotonic() - started) * 1e3)
     for t, base in zip(targets, bases, strict=True):
         t.attach(whole[base:base + t.size])
 
@@ -541,16 +552,16 @@ class GpuLoader:
     """Loads onto one CUDA device; keep it: buffers, threads and registrations persist.
 
     Defaults come from fresh processes on an H200 host (16 cores, 13 GB model): 12
-    memcpy threads and 12 x 8 MiB pinned buffers moved a 2 MiB-page mapping at 42.9-44.3
-    GB/s and a 4 KiB-page one at 37.9-39.6 (16 x 32 MiB with 16 threads: 29.0-31.1 and
-    28.3-29.0; registering 256 MiB pieces from the front, the former 2 MiB default:
-    15.9 and 34.2, or 31.3-39.9 with bounce buffers from the back); docs/loader-benchmark.md
-    has the runs.
+    memcpy threads and 24 x 8 MiB pinned buffers moved a 2 MiB-page mapping at 45.5-46.7
+    GB/s, against 44.5-44.9 with 12 x 8 MiB in the same run (buffers of 2 MiB: 20 GB/s,
+    each chunk costs Python work; 16 x 32 MiB with 16 threads: 29.0-31.1; registering
+    pieces from the front with bounce buffers from the back: 37.9-40.9);
+    docs/loader-benchmark.md has the runs.
     ``last_path`` is the path of the last load; ``registration_refused_reason`` says why
     that load could not use a registered mapping (None when it could).
     """
 
-    def __init__(self, device: str | Any = "cuda", *, buffers: int = 12,
+    def __init__(self, device: str | Any = "cuda", *, buffers: int = 24,
                  buffer_size: int = 8 * MiB, threads: int = 12, mode: str = AUTO,
                  auto_register_after: int | None = 2, node_copy: bool = True,
                  register_step: int = HYBRID_STEP, hybrid_bounce: bool = False):
