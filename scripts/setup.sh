@@ -18,6 +18,10 @@ ldconfig -p 2>/dev/null | grep -q 'libudev.so.1 ' || need_apt+=(libudev1)
 # PMDK's libpmem: the weight loader persists stores into device-dax with pmem_persist.
 ldconfig -p 2>/dev/null | grep -q 'libpmem.so.1 ' || need_apt+=(libpmem1)
 python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+# A C compiler and libc's headers: the install builds the loader's native bounce loop
+# (setup.py; tests/unit/test_loader_native.py fails without it).
+command -v gcc >/dev/null || need_apt+=(gcc)
+[ -f /usr/include/pthread.h ] || need_apt+=(libc6-dev)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get update -qq
@@ -33,7 +37,9 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "setup: Python >= 3.11 is required ($("$PY" --version))" >&2
   exit 1
 fi
-stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+# setup.py and the C source: the editable install compiles the loader's native bounce
+# loop in place (csi_pmem/loader/_bounce.c), so a change to either reinstalls.
+stamp=.venv/.installed-$(cat pyproject.toml setup.py csi_pmem/loader/_bounce.c | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip

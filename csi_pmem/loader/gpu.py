@@ -17,7 +17,9 @@ Why several (docs/design.md §3, docs/gpu-copy-service.md), in the order a load 
 - Bounce (:mod:`.pipeline`): pinned buffers allocated once per loader, filled by memcpy
   threads on the volume's NUMA node and drained by one CUDA stream. Works for any
   mapping and is the first load of a 4 KiB-page one; costs CPU and memory bandwidth
-  (each byte is read, written, read again).
+  (each byte is read, written, read again). With driver-call copies and the native
+  loop built (:mod:`.native`), the same buffers, stream and events are driven by native
+  threads that need no GIL; otherwise by the Python pipeline.
 
 Never registered, whatever the mode: a volume whose ``registration_refused_reason`` is
 set when it is opened (:func:`.volume.registration_refusal`: a file on a file system
@@ -51,7 +53,7 @@ from typing import Any, Protocol
 
 from csi_pmem.gpucopy import protocol
 from csi_pmem.gpucopy.copier import CopyError
-from csi_pmem.loader import nodecopy
+from csi_pmem.loader import native, nodecopy
 from csi_pmem.loader import plan as planning
 from csi_pmem.loader.cpu import torch_dtype
 from csi_pmem.loader.errors import LoaderError
@@ -176,6 +178,14 @@ class PinnedArena:
                                f"returned {int(err)}")
         self.registered.append(address)
         self._ready[index] = True
+
+    def adopt(self, ready: bytearray) -> None:
+        """Record the slices the native bounce loop prepared (flag set in ``ready``),
+        so that they are not prepared again and are unregistered by :meth:`close`."""
+        for index, flag in enumerate(ready):
+            if flag and not self._ready[index]:
+                self._ready[index] = True
+                self.registered.append(self._address + index * self.slice_size)
 
     def close(self) -> None:
         self.tensor = None
@@ -794,14 +804,36 @@ class GpuLoader:
             ps, self.buffer_size, i, seq), finish)
         plan.ready()
         pipe = self._pipeline(view.volume.numa_node)
-        assert self._backend is not None
-        self._backend.targets = [t.buffer for t in targets]
+        backend = self._backend
+        assert backend is not None
+        backend.targets = [t.buffer for t in targets]
         # The device buffers were allocated on the current stream; order ours after it.
-        self._backend.stream.wait_stream(torch.cuda.current_stream(self.device))
+        backend.stream.wait_stream(torch.cuda.current_stream(self.device))
+        lib = native.library() if isinstance(backend._copy, _DriverCopy) else None
         try:
-            pipe.run(plan.chunks, view.volume.address, plan.done)
+            if lib is None:
+                pipe.run(plan.chunks, view.volume.address, plan.done)
+            else:
+                self._run_native(lib, backend, view, plan, pipe.threads)
         finally:
-            self._backend.targets = []
+            backend.targets = []
+
+    def _run_native(self, lib: Any, backend: _TorchBackend, view: ModelView, plan: _Plan,
+                    threads: int) -> None:
+        """The bounce load through the native loop (:mod:`.native`): the same chunks,
+        buffers, stream and events as the Python pipeline, no Python work per chunk."""
+        copy = backend._copy
+        assert isinstance(copy, _DriverCopy)
+        arena = backend.arena
+        ready = bytearray(1 if r else 0 for r in arena._ready)
+        try:
+            native.run(plan.chunks, [t.data_ptr() for t in backend.targets],
+                       view.volume.address, backend.addresses, ready, self.buffer_size,
+                       plan.done, events=[int(e) for e in copy.events],
+                       stream=int(backend.stream.cuda_stream), ctx=int(copy._ctx),
+                       threads=threads, cpus=node_cpus(view.volume.numa_node), lib=lib)
+        finally:
+            arena.adopt(ready)  # what the loop faulted in and registered
 
     def _load_node(self, view: ModelView, targets: list[FileTarget],
                    finish: Callable[[FileTarget, str], None],

@@ -1,0 +1,184 @@
+"""The native bounce loop (``_bounce.c``), loaded with ctypes.
+
+Why: see ``_bounce.c``. In short, the Python pipeline pays Python work per chunk, shared
+through the GIL by a dozen threads, which caps how small (and how many) chunks can be;
+the native loop runs every worker without the GIL and reports landed chunks through a
+pipe, which the caller's thread reads and turns into finished tensors.
+
+The library is built by ``pip install`` as an optional extension (setup.py): without a
+C compiler the package installs without it and :func:`library` returns None, and the
+loader uses the Python pipeline. ``CSI_PMEM_BOUNCE_NATIVE=off`` does the same on
+purpose. It uses no Python API, so it is loaded with ctypes (which releases the GIL for
+the call) rather than imported.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import importlib.machinery
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from csi_pmem.loader.errors import LoaderError
+from csi_pmem.loader.plan import Chunk
+
+log = logging.getLogger(__name__)
+
+ENV = "CSI_PMEM_BOUNCE_NATIVE"
+_NAME = "_bounce"
+
+
+class Job(ctypes.Structure):
+    """``struct csi_job`` of ``_bounce.c`` (every field 8 bytes wide)."""
+
+    _fields_ = [
+        ("chunks", ctypes.c_void_p), ("nchunks", ctypes.c_uint64),
+        ("pieces", ctypes.c_void_p), ("src_base", ctypes.c_uint64),
+        ("buffers", ctypes.c_void_p), ("ready", ctypes.c_void_p),
+        ("nbuffers", ctypes.c_uint64), ("buffer_size", ctypes.c_uint64),
+        ("events", ctypes.c_void_p), ("stream", ctypes.c_uint64), ("ctx", ctypes.c_uint64),
+        ("threads", ctypes.c_uint64), ("cpus", ctypes.c_void_p), ("ncpus", ctypes.c_uint64),
+        ("notify_fd", ctypes.c_int64), ("fake", ctypes.c_int64), ("stop", ctypes.c_int64),
+        ("error", ctypes.c_int64), ("what", ctypes.c_char * 128),
+    ]
+
+
+class NativeError(LoaderError):
+    """The native loop failed: ``code`` is the CUresult (or -errno) of ``what``."""
+
+    def __init__(self, what: str, code: int):
+        super().__init__(f"{what} failed (error {code})")
+        self.what, self.code = what, code
+
+
+_lib: ctypes.CDLL | None = None
+_lib_lock = threading.Lock()
+_lib_tried = False
+
+
+def _path() -> Path | None:
+    here = Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"{_NAME}{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (not built, or turned off by ``CSI_PMEM_BOUNCE_NATIVE``)."""
+    global _lib, _lib_tried
+    choice = os.environ.get(ENV, "auto")
+    if choice not in ("auto", "off"):
+        raise LoaderError(f"{ENV}={choice!r}: use auto (the native bounce loop when it is "
+                          "built, the default) or off (the Python pipeline)")
+    if choice == "off":
+        return None
+    with _lib_lock:
+        if not _lib_tried:
+            _lib_tried = True
+            path = _path()
+            if path is None:
+                log.debug("the native bounce loop is not built; using the Python pipeline")
+            else:
+                try:
+                    lib = ctypes.CDLL(str(path))
+                    lib.csi_bounce_run.argtypes = [ctypes.POINTER(Job)]
+                    lib.csi_bounce_run.restype = ctypes.c_int
+                    _lib = lib
+                except OSError as exc:
+                    log.warning("cannot load the native bounce loop %s (%s); using the "
+                                "Python pipeline", path, exc)
+        return _lib
+
+
+def _u64(values: Sequence[int]) -> array.array:
+    return array.array("Q", values)
+
+
+def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
+        buffers: Sequence[int], ready: bytearray, buffer_size: int,
+        on_done: Callable[[Chunk], None], *, events: Sequence[int] = (), stream: int = 0,
+        ctx: int = 0, threads: int = 1, cpus: Sequence[int] = (), fake: bool = False,
+        lib: ctypes.CDLL | None = None) -> None:
+    """Move ``chunks`` through ``buffers``; call ``on_done`` in this thread for each
+    chunk once its bytes landed (``dst_base[chunk.target] + chunk.dst``).
+
+    ``ready[i]`` says pinned buffer ``i`` is faulted in and registered; the native loop
+    prepares the others on first use and sets their flag (the caller records them for
+    unregistering). ``fake``: device addresses are host memory (tests). Raises
+    :class:`NativeError` when the loop failed, or what ``on_done`` raised (the loop is
+    then stopped: no new chunk starts, the queued ones land).
+    """
+    lib = lib or library()
+    if lib is None:
+        raise LoaderError("the native bounce loop is not available")
+    if len(ready) != len(buffers):
+        raise ValueError("one ready flag per buffer")
+    flat_chunks: list[int] = []
+    flat_pieces: list[int] = []
+    for c in chunks:
+        flat_chunks += (dst_base[c.target] + c.dst, c.nbytes, len(flat_pieces) // 3,
+                        len(c.pieces))
+        for p in c.pieces:
+            flat_pieces += (p.src, p.buf_off, p.nbytes)
+    # The arrays live in this frame until the call returns.
+    a_chunks, a_pieces = _u64(flat_chunks), _u64(flat_pieces or [0])
+    a_buffers, a_events = _u64(buffers), _u64(events or [0] * len(buffers))
+    a_cpus = array.array("q", cpus or [0])
+    a_ready = (ctypes.c_uint8 * len(ready)).from_buffer(ready)
+    read_fd, write_fd = os.pipe()
+    job = Job(chunks=a_chunks.buffer_info()[0], nchunks=len(chunks),
+              pieces=a_pieces.buffer_info()[0], src_base=src_base,
+              buffers=a_buffers.buffer_info()[0], ready=ctypes.addressof(a_ready),
+              nbuffers=len(buffers), buffer_size=buffer_size,
+              events=a_events.buffer_info()[0], stream=stream, ctx=ctx,
+              threads=max(1, threads), cpus=a_cpus.buffer_info()[0], ncpus=len(cpus),
+              notify_fd=write_fd, fake=1 if fake else 0)
+    outcome: list[int] = []
+
+    def call() -> None:
+        try:
+            outcome.append(lib.csi_bounce_run(ctypes.byref(job)))
+        finally:
+            os.close(write_fd)  # EOF for the reader once every worker has returned
+
+    runner = threading.Thread(target=call, name="bounce-native", daemon=True)
+    error: BaseException | None = None
+    try:
+        runner.start()
+    except BaseException:
+        os.close(write_fd)
+        os.close(read_fd)
+        raise
+    try:
+        rest = b""
+        while True:
+            data = os.read(read_fd, 65536)  # releases the GIL while it waits
+            if not data:
+                break
+            data, rest = rest + data, b""
+            cut = len(data) - len(data) % 4
+            data, rest = data[:cut], data[cut:]
+            if error is not None:
+                continue  # drain, so that no worker blocks on a full pipe
+            for index in array.array("I", data):
+                try:
+                    on_done(chunks[index])
+                except BaseException as exc:
+                    error = exc
+                    job.stop = 1
+                    break
+    finally:
+        runner.join()
+        os.close(read_fd)
+        del a_ready  # the bytearray may be resized again
+    if error is not None:
+        raise error
+    if not outcome or outcome[0] != 0:
+        raise NativeError(job.what.decode(errors="replace") or "the native bounce loop",
+                          int(job.error))

@@ -1,0 +1,120 @@
+"""The native bounce loop (csi_pmem/loader/_bounce.c) on its fake device, without a GPU.
+
+In fake mode a transfer lands only when its buffer is next waited for, as a copy engine
+may still read a pinned buffer long after the transfer was queued: a loop that refilled
+a buffer before waiting for it would produce wrong bytes here. The library is built by
+the project's install (setup.py); these tests fail, not skip, where it is missing,
+because CI installs with a compiler and must ship it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+from test_loader_pipeline import tensors_from
+
+from csi_pmem.loader import native, plan
+from csi_pmem.loader.errors import LoaderError
+
+
+def fake_run(source: bytes, tensors, *, nbuffers=3, size=1000, threads=3, on_done=None):
+    placements, total = plan.place(tensors)
+    chunks = plan.bounce_chunks(placements, size)
+    dest = ctypes.create_string_buffer(max(total, 1))
+    src = ctypes.create_string_buffer(source, len(source))
+    buffers = [ctypes.create_string_buffer(size) for _ in range(nbuffers)]
+    ready = bytearray(nbuffers)
+    completion = plan.Completion(placements, chunks)
+    finished = list(completion.ready)
+    reported: list[int] = []
+
+    def done(c: plan.Chunk) -> None:
+        reported.append(c.seq)
+        finished.extend(completion.done(c))
+        if on_done is not None:
+            on_done(c)
+
+    native.run(chunks, [ctypes.addressof(dest)], ctypes.addressof(src),
+               [ctypes.addressof(b) for b in buffers], ready, size, done,
+               threads=threads, fake=True)
+    return placements, dest.raw[:total], finished, reported, chunks, ready
+
+
+def test_the_library_is_built():
+    assert native.library() is not None, \
+        "csi_pmem/loader/_bounce*.so is missing: pip install -e . builds it (needs gcc)"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bytes_exact_every_chunk_once(seed):
+    rnd = random.Random(seed)
+    sizes = [rnd.choice([0, 1, 7, 100, 999, 1000, 1001, 2500]) for _ in range(60)]
+    gaps = [rnd.choice([0, 0, 3, 64]) for _ in sizes]
+    ts = tensors_from(sizes, gaps)
+    source = bytes(rnd.getrandbits(8) for _ in range(ts[-1].offset + ts[-1].nbytes + 1))
+    placements, dest, finished, reported, chunks, ready = fake_run(
+        source, ts, nbuffers=rnd.choice([1, 2, 5, 8]), threads=rnd.choice([1, 2, 3, 4]))
+    for p in placements:
+        assert dest[p.dst:p.dst + p.nbytes] == source[p.src:p.src + p.nbytes], p
+    assert sorted(reported) == [c.seq for c in chunks]
+    assert sorted(finished) == sorted(t.name for t in ts)
+    assert 1 <= sum(ready) <= min(len(ready), len(chunks)), "prepared buffers are flagged"
+
+
+def test_more_threads_than_buffers():
+    ts = tensors_from([300] * 30)
+    source = bytes(range(256)) * 40
+    placements, dest, _, reported, chunks, _ = fake_run(source, ts, nbuffers=2, threads=6)
+    assert sorted(reported) == [c.seq for c in chunks]
+    for p in placements:
+        assert dest[p.dst:p.dst + p.nbytes] == source[p.src:p.src + p.nbytes]
+
+
+def test_a_callback_error_stops_the_loop_and_is_raised():
+    ts = tensors_from([1000] * 200)
+    seen = []
+
+    def boom(c):
+        seen.append(c.seq)
+        if len(seen) == 3:
+            raise RuntimeError("consumer failed")
+
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        fake_run(bytes(200_000), ts, nbuffers=2, threads=2, on_done=boom)
+    assert len(seen) == 3  # nothing is reported after the error
+
+
+def test_a_chunk_larger_than_its_buffer_is_an_error():
+    chunk = plan.Chunk(0, 0, 0, 64, (plan.Piece(0, 0, 64),))
+    src = ctypes.create_string_buffer(64)
+    dest = ctypes.create_string_buffer(64)
+    buf = ctypes.create_string_buffer(32)
+    with pytest.raises(native.NativeError, match="larger than its bounce buffer"):
+        native.run([chunk], [ctypes.addressof(dest)], ctypes.addressof(src),
+                   [ctypes.addressof(buf)], bytearray(1), 32, lambda c: None, fake=True)
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.setenv(native.ENV, "off")
+    assert native.library() is None
+    monkeypatch.setenv(native.ENV, "fast")
+    with pytest.raises(LoaderError, match="CSI_PMEM_BOUNCE_NATIVE='fast'"):
+        native.library()
+
+
+def test_without_libcuda_the_gpu_mode_says_what_is_missing():
+    """On a host without a CUDA driver (CI), a non-fake run fails with a clear error
+    instead of crashing; the GPU loader never asks for it there."""
+    chunk = plan.Chunk(0, 0, 0, 8, (plan.Piece(0, 0, 8),))
+    src = ctypes.create_string_buffer(8)
+    buf = ctypes.create_string_buffer(8)
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("this host has a CUDA driver")
+    except OSError:
+        pass
+    with pytest.raises(native.NativeError, match="libcuda"):
+        native.run([chunk], [0], ctypes.addressof(src), [ctypes.addressof(buf)],
+                   bytearray(1), 8, lambda c: None)
