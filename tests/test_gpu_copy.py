@@ -140,6 +140,7 @@ def test_copies_land_bit_exact_with_progress(work, node_factory):
     for dst, n, src in where.values():
         assert out[dst:dst + n] == data[src:src + n]
     assert node.dax.served == 1 and node.service.served == 1
+    assert node.copier.outstanding == 0
 
 
 def wait_registered(node: Node, vol: Path) -> list:
@@ -300,6 +301,48 @@ def test_a_silent_service_times_out(work, node_factory):
     with pytest.raises(NodeCopyError, match="timed out") as info:
         request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None, timeout=0.5)
     assert time.monotonic() - started < 5 and info.value.done < len(copies)
+
+
+def wait_spent(copier: FakeCopier, seconds: float = 10) -> int:
+    """The copier's unspent tokens once the service has finished with the connection."""
+    deadline = time.monotonic() + seconds
+    while copier.outstanding and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return copier.outstanding
+
+
+def test_a_copy_that_fails_on_the_device_spends_every_token(work, node_factory):
+    """The copies queued behind a failed one are never waited for; each of their
+    tokens (an event of the CUDA copier's pool) is discarded, none leaked."""
+    vol, _ = staged(work)
+    copier = FakeCopier(fail_at=2)
+    node = node_factory(vol, copier=copier)
+    copies, size, _ = whole_model_copies(vol)
+    assert len(copies) >= 3
+    fd, out = allocation(size)
+    seen: list[int] = []
+    with pytest.raises(NodeCopyError, match="fake fault") as info:
+        request_copies(node.sock, fd, FAKE_GPU, size, copies, seen.append)
+    assert info.value.done <= 1 and all(k <= 1 for k in seen)
+    assert wait_spent(copier) == 0
+    assert node.service.failed == 1
+
+
+def test_a_pod_that_goes_away_mid_copy_leaks_no_token(work, node_factory):
+    vol, _ = staged(work)
+    copier = FakeCopier(delay=0.1)
+    node = node_factory(vol, copier=copier)
+    copies, size, _ = whole_model_copies(vol)
+    assert len(copies) >= 3
+    fd, _ = allocation(size)
+
+    def progress(k: int) -> None:
+        raise RuntimeError("the pod is gone")  # its socket closes with the session
+
+    with pytest.raises(RuntimeError, match="the pod is gone"):
+        request_copies(node.sock, fd, FAKE_GPU, size, copies, progress)
+    assert wait_spent(copier) == 0
+    assert node.service.served == 0
 
 
 def test_a_service_killed_mid_copy_reports_what_landed(work, node_factory):

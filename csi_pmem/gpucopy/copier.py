@@ -54,7 +54,12 @@ class Copier(Protocol):
 
     def wait(self, token: Any) -> None:
         """Block until the copy of ``token`` (and every one queued before it into the
-        same target) has landed; raises CopyError."""
+        same target) has landed; raises CopyError. The token is spent either way."""
+
+    def discard(self, token: Any) -> None:
+        """Spend a token that will not be waited for (a copy before it failed, or the
+        pod went away): whatever it holds goes back or is freed. Its copy may still
+        run; closing its target waits for that. Never raises."""
 
 
 FAKE_GPU = "GPU-00000000-0000-0000-0000-00000000fa4e"
@@ -77,13 +82,19 @@ class FakeTarget:
 
 class FakeCopier:
     """memcpy into a memfd "allocation"; ``delay`` seconds per copy (for timeout and
-    kill-mid-copy tests)."""
+    kill-mid-copy tests); ``fail_at``: the copy (counted from 1 over the copier's life)
+    whose wait fails, as a faulted copy engine's would. ``outstanding`` counts tokens
+    not yet spent by :meth:`wait` or :meth:`discard` (the CUDA copier's are events, so
+    one left over is a leak)."""
 
     name = "fake"
 
-    def __init__(self, delay: float = 0.0):
+    def __init__(self, delay: float = 0.0, fail_at: int | None = None):
         self.delay = delay
+        self.fail_at = fail_at
         self.registered: dict[int, int] = {}
+        self.outstanding = 0
+        self._waited = 0
         self._lock = threading.Lock()
 
     def gpus(self) -> list[str]:
@@ -119,10 +130,22 @@ class FakeCopier:
             if dst + n > target.size:
                 raise CopyError(f"copy #{i} ends past the allocation")
         # Like a copy engine, the bytes move later: when waited for.
+        with self._lock:
+            self.outstanding += len(copies)
         return [(target, c) for c in copies]
 
     def wait(self, token: Any) -> None:
         target, (src, dst, n) = token
+        with self._lock:
+            self.outstanding -= 1
+            self._waited += 1
+            failing = self._waited == self.fail_at
         if self.delay:
             time.sleep(self.delay)
+        if failing:
+            raise CopyError("a copy failed on the device (fake fault)")
         ctypes.memmove(target.address + dst, src, n)
+
+    def discard(self, token: Any) -> None:
+        with self._lock:
+            self.outstanding -= 1

@@ -17,6 +17,7 @@ device ordinals differ between processes (CUDA_VISIBLE_DEVICES), UUIDs do not.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -230,12 +231,18 @@ class CudaCopier:
         self.make_current(target.ordinal)
         stream = target.stream()
         base = target.address
-        tokens = []
-        for src, dst, n in copies:
-            check(cu, cu.cuMemcpyHtoDAsync(base + dst, src, n, stream), "cuMemcpyHtoDAsync")
-            ev = self._take_event(target.ordinal)
-            check(cu, cu.cuEventRecord(ev, stream), "recording an event")
-            tokens.append((target, ev))
+        tokens: list[Any] = []
+        try:
+            for src, dst, n in copies:
+                check(cu, cu.cuMemcpyHtoDAsync(base + dst, src, n, stream),
+                      "cuMemcpyHtoDAsync")
+                ev = self._take_event(target.ordinal)
+                tokens.append((target, ev))  # spent by discard below if the record fails
+                check(cu, cu.cuEventRecord(ev, stream), "recording an event")
+        except BaseException:
+            for token in tokens:  # the caller never sees them
+                self.discard(token)
+            raise
         return tokens
 
     def wait(self, token: Any) -> None:
@@ -248,3 +255,21 @@ class CudaCopier:
             check(cu, (err,), "waiting for a copy")
         with self._lock:  # complete: reusable by the next copy
             self._events.setdefault(target.ordinal, []).append(ev)
+
+    def discard(self, token: Any) -> None:
+        """An event nobody will wait for: back to the pool when it has completed, else
+        destroyed (the driver frees a pending event once it completes; one of a
+        faulted stream is never reused)."""
+        cu = self.cu
+        target, ev = token
+        try:
+            self.make_current(target.ordinal)
+            done = int(cu.cuEventQuery(ev)[0]) == 0
+        except Exception:  # never raises: a context that cannot be made current
+            done = False
+        if done:
+            with self._lock:
+                self._events.setdefault(target.ordinal, []).append(ev)
+        else:
+            with contextlib.suppress(Exception):
+                cu.cuEventDestroy(ev)

@@ -317,7 +317,8 @@ class CopyService:
 
         def waiter() -> None:
             while (token := tokens.get()) is not None:
-                if failure:
+                if failure:  # never waited for: its event goes back or is freed
+                    self.copier.discard(token)
                     continue
                 try:
                     self.copier.wait(token)
