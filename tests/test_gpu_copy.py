@@ -325,6 +325,8 @@ def test_a_copy_that_fails_on_the_device_spends_every_token(work, node_factory):
         request_copies(node.sock, fd, FAKE_GPU, size, copies, seen.append)
     assert info.value.done <= 1 and all(k <= 1 for k in seen)
     assert wait_spent(copier) == 0
+    for c in copies[1:]:  # the failed copy and those behind it wrote nothing
+        assert not any(out[c.dst:c.dst + c.nbytes])
     assert node.service.failed == 1
 
 
