@@ -311,15 +311,22 @@ def wait_spent(copier: FakeCopier, seconds: float = 10) -> int:
     return copier.outstanding
 
 
-def test_a_copy_that_fails_on_the_device_spends_every_token(work, node_factory):
-    """The copies queued behind a failed one are never waited for; each of their
-    tokens (an event of the CUDA copier's pool) is discarded, none leaked."""
+def whole_model_request(work: Path, node_factory, copier: FakeCopier):
+    """A node over a staged model with ``copier``, the copies of the whole model (at
+    least three) and an allocation for them."""
     vol, _ = staged(work)
-    copier = FakeCopier(fail_at=2)
     node = node_factory(vol, copier=copier)
     copies, size, _ = whole_model_copies(vol)
     assert len(copies) >= 3
     fd, out = allocation(size)
+    return node, copies, size, fd, out
+
+
+def test_a_copy_that_fails_on_the_device_spends_every_token(work, node_factory):
+    """The copies queued behind a failed one are never waited for; each of their
+    tokens (an event of the CUDA copier's pool) is discarded, none leaked."""
+    copier = FakeCopier(fail_at=2)
+    node, copies, size, fd, out = whole_model_request(work, node_factory, copier)
     seen: list[int] = []
     with pytest.raises(NodeCopyError, match="fake fault") as info:
         request_copies(node.sock, fd, FAKE_GPU, size, copies, seen.append)
@@ -331,12 +338,8 @@ def test_a_copy_that_fails_on_the_device_spends_every_token(work, node_factory):
 
 
 def test_a_pod_that_goes_away_mid_copy_leaks_no_token(work, node_factory):
-    vol, _ = staged(work)
     copier = FakeCopier(delay=0.1)
-    node = node_factory(vol, copier=copier)
-    copies, size, _ = whole_model_copies(vol)
-    assert len(copies) >= 3
-    fd, _ = allocation(size)
+    node, copies, size, fd, _ = whole_model_request(work, node_factory, copier)
 
     def progress(k: int) -> None:
         raise RuntimeError("the pod is gone")  # its socket closes with the session

@@ -13,7 +13,7 @@ import ctypes
 import random
 
 import pytest
-from test_loader_pipeline import tensors_from
+from test_loader_pipeline import random_model, tensors_from
 
 from csi_pmem.loader import native, plan
 from csi_pmem.loader.errors import LoaderError
@@ -50,10 +50,7 @@ def test_the_library_is_built():
 @pytest.mark.parametrize("seed", range(8))
 def test_bytes_exact_every_chunk_once(seed):
     rnd = random.Random(seed)
-    sizes = [rnd.choice([0, 1, 7, 100, 999, 1000, 1001, 2500]) for _ in range(60)]
-    gaps = [rnd.choice([0, 0, 3, 64]) for _ in sizes]
-    ts = tensors_from(sizes, gaps)
-    source = bytes(rnd.getrandbits(8) for _ in range(ts[-1].offset + ts[-1].nbytes + 1))
+    ts, source = random_model(rnd, 60)
     placements, dest, finished, reported, chunks, ready = fake_run(
         source, ts, nbuffers=rnd.choice([1, 2, 5, 8]), threads=rnd.choice([1, 2, 3, 4]))
     for p in placements:

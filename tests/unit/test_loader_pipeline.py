@@ -133,13 +133,19 @@ def test_direct_chunks_split_at_registration_boundaries():
     assert all(c.dst - placements[0].dst == c.pieces[0].src - 100 for c in chunks)
 
 
+def random_model(rnd: random.Random, count: int) -> tuple[list[TensorInfo], bytes]:
+    """``count`` tensors of sizes around a 1000-byte buffer (empty, one byte, exactly a
+    buffer, one more), with small gaps, and random bytes holding them."""
+    sizes = [rnd.choice([0, 1, 7, 100, 999, 1000, 1001, 2500]) for _ in range(count)]
+    gaps = [rnd.choice([0, 0, 3, 64]) for _ in sizes]
+    ts = tensors_from(sizes, gaps)
+    return ts, bytes(rnd.getrandbits(8) for _ in range(ts[-1].offset + ts[-1].nbytes + 1))
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_pipeline_bytes_exact_with_lazy_device(seed):
     rnd = random.Random(seed)
-    sizes = [rnd.choice([0, 1, 7, 100, 999, 1000, 1001, 2500]) for _ in range(40)]
-    gaps = [rnd.choice([0, 0, 3, 64]) for _ in sizes]
-    ts = tensors_from(sizes, gaps)
-    source = bytes(rnd.getrandbits(8) for _ in range(ts[-1].offset + ts[-1].nbytes + 1))
+    ts, source = random_model(rnd, 40)
     placements, dest, finished, dev = run_pipeline(
         source, ts, nbuffers=rnd.choice([1, 2, 4]), threads=rnd.choice([1, 3]), jitter=0.001)
     for p in placements:
