@@ -314,7 +314,7 @@ int csi_bounce_run(struct csi_job *job)
     if (job->threads > job->nbuffers)
         job->threads = job->nbuffers; /* a worker without a buffer has nothing to do */
     if (!job->fake && load_cuda(&sh.cu)) {
-        snprintf(job->what, sizeof job->what, "libcuda.so.1 or one of its entry points");
+        snprintf(job->what, sizeof job->what, "loading libcuda.so.1 (the CUDA driver) and its entry points");
         job->error = ERR_OTHER;
         return -1;
     }
