@@ -1,7 +1,7 @@
-"""The native bounce loop (``_bounce.c``), loaded with ctypes.
+"""The native bounce loop (``_native/bounce.c``), loaded with ctypes.
 
-Why: see ``_bounce.c``. In short, the Python pipeline pays Python work per chunk, shared
-through the GIL by a dozen threads, which caps how small (and how many) chunks can be;
+Why: see ``_native/bounce.c``. In short, the Python pipeline pays Python work per
+chunk, shared through the GIL by a dozen threads, which caps how small (and how many) chunks can be;
 the native loop runs every worker without the GIL and reports landed chunks through a
 pipe, which the caller's thread reads and turns into finished tensors.
 
@@ -9,7 +9,8 @@ The library is built by ``pip install`` as an optional extension (setup.py): wit
 C compiler the package installs without it and :func:`library` returns None, and the
 loader uses the Python pipeline. ``CSI_PMEM_BOUNCE_NATIVE=off`` does the same on
 purpose. It uses no Python API, so it is loaded with ctypes (which releases the GIL for
-the call) rather than imported.
+the call) rather than imported; it is built into ``_native/``, a directory that is not
+a package, so that nothing that walks the loader's modules mistakes it for one.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from csi_pmem.loader.plan import Chunk
 log = logging.getLogger(__name__)
 
 ENV = "CSI_PMEM_BOUNCE_NATIVE"
-_NAME = "_bounce"
+_NAME = "bounce"
 
 
 class Job(ctypes.Structure):
-    """``struct csi_job`` of ``_bounce.c`` (every field 8 bytes wide)."""
+    """``struct csi_job`` of ``_native/bounce.c`` (every field 8 bytes wide)."""
 
     _fields_ = [
         ("chunks", ctypes.c_void_p), ("nchunks", ctypes.c_uint64),
@@ -61,7 +62,7 @@ _lib_tried = False
 
 
 def _path() -> Path | None:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent / "_native"
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         candidate = here / f"{_NAME}{suffix}"
         if candidate.is_file():

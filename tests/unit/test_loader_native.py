@@ -1,4 +1,4 @@
-"""The native bounce loop (csi_pmem/loader/_bounce.c) on its fake device, without a GPU.
+"""The native bounce loop (csi_pmem/loader/_native/bounce.c) on its fake device, without a GPU.
 
 In fake mode a transfer lands only when its buffer is next waited for, as a copy engine
 may still read a pinned buffer long after the transfer was queued: a loop that refilled
@@ -44,7 +44,7 @@ def fake_run(source: bytes, tensors, *, nbuffers=3, size=1000, threads=3, on_don
 
 def test_the_library_is_built():
     assert native.library() is not None, \
-        "csi_pmem/loader/_bounce*.so is missing: pip install -e . builds it (needs gcc)"
+        "csi_pmem/loader/_native/bounce*.so is missing: pip install -e . builds it (needs gcc)"
 
 
 @pytest.mark.parametrize("seed", range(8))
