@@ -1,9 +1,9 @@
 """The native bounce loop (``_native/bounce.c``), loaded with ctypes.
 
 Why: see ``_native/bounce.c``. In short, the Python pipeline pays Python work per
-chunk, shared through the GIL by a dozen threads, which caps how small (and how many) chunks can be;
-the native loop runs every worker without the GIL and reports landed chunks through a
-pipe, which the caller's thread reads and turns into finished tensors.
+chunk, shared through the GIL by a dozen threads, which caps how small (and how many)
+chunks can be; the native loop runs every worker without the GIL and reports landed
+chunks through a pipe, which the caller's thread reads and turns into finished tensors.
 
 The library is built by ``pip install`` as an optional extension (setup.py): without a
 C compiler the package installs without it and :func:`library` returns None, and the
