@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 from csi_pmem.gpucopy import protocol
 from csi_pmem.gpucopy.copier import CopyError
-from csi_pmem.loader import native, nodecopy
+from csi_pmem.loader import native, nodecopy, streams
 from csi_pmem.loader import plan as planning
 from csi_pmem.loader.cpu import torch_dtype
 from csi_pmem.loader.errors import LoaderError
@@ -206,20 +206,29 @@ class _TorchBackend:
     :class:`_DriverCopy`, or a :class:`_TorchCopy` without cuda-python)."""
 
     def __init__(self, device: Any, nbuffers: int, buffer_size: int):
-        torch = _torch()
         self.device = device
         self.arena = PinnedArena(nbuffers * buffer_size, buffer_size)
         whole = self.arena.tensor
         self.buffers = [whole[i * buffer_size:(i + 1) * buffer_size] for i in range(nbuffers)]
         self.addresses = [b.data_ptr() for b in self.buffers]
-        self.stream = torch.cuda.Stream(device=device)
-        self._copy: _Copy = (_driver_copy(device, self.stream, self.addresses)
-                             or _TorchCopy(self.stream, self.buffers))
+        # A driver stream: torch's first stream of a process took 3.7-4.7 ms, with the
+        # copy engine idle, of a fresh process's first bounce load (:mod:`.streams`).
+        started = time.monotonic()
+        self.stream, self._release_stream = streams.driver_stream(device)
+        try:
+            self._copy: _Copy = (_driver_copy(device, self.stream, self.addresses)
+                                 or _TorchCopy(self.stream, self.buffers))
+        except BaseException:
+            self._release_stream()
+            self.arena.close()
+            raise
         self.targets: list[Any] = []
-        log.debug("allocated %d pinned buffers of %s (%s) in %.3f s", nbuffers,
-                  format_size(buffer_size), self.arena.kind, self.arena.seconds)
+        log.debug("allocated %d pinned buffers of %s (%s) in %.3f s, stream and events "
+                  "in %.2f ms", nbuffers, format_size(buffer_size), self.arena.kind,
+                  self.arena.seconds, (time.monotonic() - started) * 1e3)
 
     def close(self) -> None:
+        self._release_stream()  # waits for the copies still queued on it
         self._copy.close()
         self.buffers, self.addresses = [], []
         self.arena.close()
@@ -295,7 +304,7 @@ def _driver_copy(device: Any, stream: Any, addresses: list[int]) -> _DriverCopy 
 class _DriverCopy:
     """Per-chunk transfers through cuda-python's driver calls instead of torch.
 
-    Why: a bounce chunk is 8 MiB, about 0.15 ms on the link, and each one went
+    Why: a bounce chunk is 4 MiB, about 0.08 ms on the link, and each one went
     through torch's ``copy_`` + ``Event.record``, which dispatch while holding the GIL
     that twelve memcpy threads and the verifier's thread share. ``cuMemcpyHtoDAsync``
     and ``cuEventRecord`` release it. Measured on H200 hosts in fresh processes
@@ -561,18 +570,19 @@ def _close_at_exit() -> None:
 class GpuLoader:
     """Loads onto one CUDA device; keep it: buffers, threads and registrations persist.
 
-    Defaults come from fresh processes on an H200 host (16 cores, 13 GB model): 12
-    memcpy threads and 24 x 8 MiB pinned buffers moved a 2 MiB-page mapping at 45.5-46.7
-    GB/s, against 44.5-44.9 with 12 x 8 MiB in the same run (buffers of 2 MiB: 20 GB/s,
-    each chunk costs Python work; 16 x 32 MiB with 16 threads: 29.0-31.1; registering
-    pieces from the front with bounce buffers from the back: 37.9-40.9);
-    docs/loader-benchmark.md has the runs.
+    Defaults come from fresh processes on H200 hosts (16 cores, 13 GB model, the native
+    bounce loop): 12 memcpy threads and 32 x 4 MiB pinned buffers. On a host whose
+    memcpy bound the load they moved a 2 MiB-page mapping 3-5% faster than 24 x 8 MiB
+    (best and median, verified and not; 128 MiB of buffers fits its 300 MiB L3, so the
+    copy engine reads them from cache); on a faster host 4 and 8 MiB buffers were level.
+    Buffers of 2 MiB, 12 x 8 MiB and 16 threads were slower; registering pieces from the
+    front with bounce buffers from the back too. docs/loader-benchmark.md has the runs.
     ``last_path`` is the path of the last load; ``registration_refused_reason`` says why
     that load could not use a registered mapping (None when it could).
     """
 
-    def __init__(self, device: str | Any = "cuda", *, buffers: int = 24,
-                 buffer_size: int = 8 * MiB, threads: int = 12, mode: str = AUTO,
+    def __init__(self, device: str | Any = "cuda", *, buffers: int = 32,
+                 buffer_size: int = 4 * MiB, threads: int = 12, mode: str = AUTO,
                  auto_register_after: int | None = 2, node_copy: bool = True,
                  register_step: int = HYBRID_STEP, hybrid_bounce: bool = False):
         torch = _torch()

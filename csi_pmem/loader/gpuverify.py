@@ -21,21 +21,30 @@ not start on a word.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from csi_pmem.loader import checksum, wsum
+from csi_pmem.loader import checksum, streams, wsum
 from csi_pmem.loader.layout import FileEntry, chunk_ranges
 from csi_pmem.loader.model import ModelView
 from csi_pmem.loader.stformat import TensorInfo
 
 log = logging.getLogger(__name__)
 
-BATCH = 1 << 30  # bytes of complete chunks checked together (and a file's last ones)
+BATCH = 1 << 30  # bytes of complete chunks checked together, at most
+# Near a file's end batches shrink to a quarter of what is left to land, down to this:
+# the last batch's reduction and read-back come after the last copy, so a 1 GiB one
+# added its device time to every verified load.
+TAIL_BATCH = 64 << 20
+
+
+def batch_threshold(unlanded: int) -> int:
+    """Bytes of complete chunks to check together while ``unlanded`` bytes of the
+    file have not landed yet."""
+    return min(BATCH, max(TAIL_BATCH, unlanded // 4))
 
 
 @dataclass(frozen=True)
@@ -205,7 +214,9 @@ class DeviceVerifier:
             # Coalesced: a few large batched reductions cost less GIL and fewer
             # synchronisations than one per tensor, and the copy threads need both.
             size = sum(progress.ranges[i][1] for i in pending)
-            if pending and (size >= BATCH or not progress.unchecked) and not self._closed:
+            unlanded = sum(progress.ranges[i][1] for i in progress.unchecked)
+            if pending and (size >= batch_threshold(unlanded) or not progress.unchecked) \
+                    and not self._closed:
                 self._queue.append((fname, buffer, first_dst, sorted(pending)))
                 self._pending[fname] = []
                 if self._thread is None:
@@ -228,7 +239,7 @@ class DeviceVerifier:
 
     def _run(self) -> None:
         try:
-            stream, release = side_stream(self.device)
+            stream, release = streams.driver_stream(self.device)
         except BaseException as exc:  # no stream: nothing can be checked
             log.error("checking on the device failed: %s", exc)
             with self._wake:
@@ -305,44 +316,3 @@ class DeviceVerifier:
             self._reported = True
             bad, error = list(self._bad), self._error
         self._done(bad, error)
-
-
-def side_stream(device: Any) -> tuple[Any, Callable[[], None]]:
-    """A torch stream for the reductions on ``device``, and what releases it.
-
-    Why not ``torch.cuda.Stream``: a process's first one builds torch's stream pool for
-    the device, 3.7-4.7 ms holding the GIL in fresh processes on an H200 host, and on
-    the node path no torch stream exists yet. A driver stream (cuda-python, imported
-    with the node path) wrapped in ``torch.cuda.ExternalStream`` took 0.4-0.5 ms.
-    Without cuda-python, torch's.
-    """
-    import torch
-
-    try:
-        from csi_pmem.gpucopy.cuda import check, driver
-
-        cu = driver()
-    except ImportError:
-        return torch.cuda.Stream(device=device), lambda: None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    dev = check(cu, cu.cuDeviceGet(index), "cuDeviceGet")
-    ctx = check(cu, cu.cuDevicePrimaryCtxRetain(dev), "retaining the GPU's primary context")
-    try:
-        check(cu, cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        handle = check(cu, cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value),
-                       "cuStreamCreate")
-    except BaseException:
-        cu.cuDevicePrimaryCtxRelease(dev)
-        raise
-
-    def release() -> None:
-        # Also after a failure with reductions still queued: they finish first (their
-        # buffers are about to be dropped).
-        with contextlib.suppress(Exception):
-            cu.cuStreamSynchronize(handle)
-        with contextlib.suppress(Exception):
-            cu.cuStreamDestroy(handle)
-        with contextlib.suppress(Exception):
-            cu.cuDevicePrimaryCtxRelease(dev)
-
-    return torch.cuda.ExternalStream(int(handle), device=device), release

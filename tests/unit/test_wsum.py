@@ -156,6 +156,30 @@ def _one_file_plan():
                                               checksum.model_chunks(model, [entry]))}
 
 
+def test_device_verifier_batches_shrink_towards_a_files_end(monkeypatch):
+    """Whole batches while much is still to land, then a quarter of what is left, so
+    that the check after the last copy covers little; every chunk is queued once, in
+    order."""
+    from csi_pmem.loader import checksum, gpuverify
+    from csi_pmem.loader.layout import FileEntry
+
+    size = 8 * wsum.ROW
+    monkeypatch.setattr(gpuverify, "BATCH", 8 * size)
+    monkeypatch.setattr(gpuverify, "TAIL_BATCH", size)
+    monkeypatch.setattr(gpuverify.DeviceVerifier, "_run", lambda self: None)
+    entry = FileEntry("f.safetensors", 1 << 20, 64 * size, "safetensors")
+    model = layout.ModelEntry("m", "", "committed", [entry], chunk_size=size)
+    plans = {entry.name: gpuverify.FilePlan(entry, entry.offset + 8, size,
+                                            checksum.model_chunks(model, [entry]))}
+    v = gpuverify.DeviceVerifier(None, plans, None, lambda bad, exc: None)
+    for k in range(64):
+        v.submit(entry.name, None, 0, entry.offset + k * size, entry.offset + (k + 1) * size)
+    batches = [ready for _, _, _, ready in v._queue]
+    assert [i for b in batches for i in b] == list(range(64))
+    assert [len(b) for b in batches] == [8, 8, 8, 8, 7, 5, 4, 4, 3, 2, 2, 1, 1, 1, 1, 1]
+    assert gpuverify.batch_threshold(0) == size and gpuverify.batch_threshold(1 << 40) == 8 * size
+
+
 def test_device_verifier_starts_nothing_before_a_batch_and_reports_a_failure_once():
     """A load that fails before any chunk landed ends the check at once, with its error;
     a tensor reported afterwards starts no thread and no second report."""
@@ -175,12 +199,12 @@ def test_device_verifier_starts_nothing_before_a_batch_and_reports_a_failure_onc
 def test_device_verifier_without_a_stream_reports_why(monkeypatch):
     """The first complete batch starts the checking thread; when it cannot make its
     stream (here: no CUDA), the check ends once with that error, not with silence."""
-    from csi_pmem.loader import gpuverify
+    from csi_pmem.loader import gpuverify, streams
 
     def no_stream(device):
         raise LayoutError("no stream here")
 
-    monkeypatch.setattr(gpuverify, "side_stream", no_stream)
+    monkeypatch.setattr(streams, "driver_stream", no_stream)
     entry, _, plans = _one_file_plan()
     done = threading.Event()
     reports = []
