@@ -60,7 +60,11 @@ socks=$(sed -n 's/^\(NODE_[A-Z0-9]*_\)\{0,1\}CONTAINERD_SOCK=//p' "${cluster_env
 while read -r ref archive; do
   for s in ${socks}; do
     ctr --address "${s}" -n k8s.io images import "${archive}" > /dev/null
-    ctr --address "${s}" -n k8s.io images ls -q | grep -qxF "${ref}" \
+    # The list first, then grep: "ctr images ls -q | grep -q" under pipefail fails when
+    # grep exits at its match while ctr still writes its next line (SIGPIPE, 141); that
+    # failed a CI run with the image in place.
+    have=$(ctr --address "${s}" -n k8s.io images ls -q)
+    grep -qxF "${ref}" <<<"${have}" \
       || { log "${ref} not in ${s} after the import"; exit 1; }
   done
   log "image ${ref} imported ($(basename "${archive}"))"
