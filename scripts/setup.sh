@@ -14,9 +14,12 @@ command -v mount >/dev/null || need_apt+=(mount)
 command -v blkid >/dev/null || need_apt+=(util-linux)
 command -v mkfs.ext4 >/dev/null || need_apt+=(e2fsprogs)
 command -v mkfs.xfs >/dev/null || need_apt+=(xfsprogs)
-ldconfig -p 2>/dev/null | grep -q 'libudev.so.1 ' || need_apt+=(libudev1)
+# The cache listing first: "ldconfig -p | grep -q" under pipefail fails when grep exits
+# at its match while ldconfig still writes (SIGPIPE), and would ask apt for nothing.
+libs=$(ldconfig -p 2>/dev/null || true)
+grep -q 'libudev.so.1 ' <<<"${libs}" || need_apt+=(libudev1)
 # PMDK's libpmem: the weight loader persists stores into device-dax with pmem_persist.
-ldconfig -p 2>/dev/null | grep -q 'libpmem.so.1 ' || need_apt+=(libpmem1)
+grep -q 'libpmem.so.1 ' <<<"${libs}" || need_apt+=(libpmem1)
 python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 # A C compiler and libc's headers: the install builds the loader's native bounce loop
 # (setup.py; tests/unit/test_loader_native.py fails without it).
