@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepare a lent GPU host for the GPU benchmarks and tests, in one step.
 #
-# Why: the GPU host is a bare machine per session (or per call, once it goes idle), with
-# no network and device time counted from its start. Each run needs the same three
+# Why: a GPU machine lent for benchmarks often starts bare, without network, and its
+# time counts from its start. Each run needs the same three
 # things first, and a forgotten one costs a run: the peers' wheels from .whl/
 # (fetch_peer_wheels.sh) installed into /tmp/site, the loader's native bounce loop built
 # from source (the repository runs from PYTHONPATH there, so no pip install builds it),
