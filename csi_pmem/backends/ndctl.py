@@ -355,6 +355,10 @@ class NdctlBackend(Backend):
         # drops it on every nd/dax uevent, so it is never stale about our own changes.
         self.cache_seconds = cache_seconds
         self._cache: tuple[float, _Listing] | None = None
+        # Bumped by invalidate(): a listing that began before a change and ended after
+        # it is stale, and must not become the cache (a scrape listing while a scrub
+        # destroyed its scratch namespace made GetCapacity report the space taken).
+        self._cache_generation = 0
         self._cache_lock = threading.Lock()
 
     # -- listing --------------------------------------------------------------------
@@ -364,9 +368,12 @@ class NdctlBackend(Backend):
         # found), the dax devices (--verbose implies -X) and DIMM mappings (--dimms).
         argv = [self._ndctl, "list", "--regions", "--namespaces", "--dimms", "--idle",
                 "--verbose"]
+        with self._cache_lock:
+            generation = self._cache_generation
         listing = _normalise(self._runner.run_json(argv, timeout=self._timeout))
         with self._cache_lock:
-            self._cache = (time.monotonic(), listing)
+            if generation == self._cache_generation:
+                self._cache = (time.monotonic(), listing)
         return listing
 
     def _cached_list(self) -> _Listing:
@@ -379,6 +386,7 @@ class NdctlBackend(Backend):
     def invalidate(self) -> None:
         with self._cache_lock:
             self._cache = None
+            self._cache_generation += 1
 
     @staticmethod
     def _pmem_regions(listing: _Listing) -> Iterable[dict[str, Any]]:

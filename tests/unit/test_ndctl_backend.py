@@ -1036,6 +1036,31 @@ def test_reads_share_one_listing_until_invalidated(sysroot):
     assert runner.calls == [LIST_ARGV] * 4  # no cache: every read lists
 
 
+def test_a_listing_that_overlaps_a_change_does_not_become_the_cache(sysroot):
+    """A read lists; while ndctl runs, a destroy (or a uevent) invalidates the cache.
+    That listing may predate the change: it answers its own read, but the next read
+    lists again. It used to be cached, and a scrape listing during a scrub's teardown
+    left GetCapacity short by the scratch namespace for the cache's lifetime."""
+    before, after = load("list_namespaces"), load("list_two_regions")
+    runner = FakeRunner(before, after)
+    b = backend(runner, sysroot("two_regions"), cache_seconds=60)
+    run_json = runner.run_json
+
+    def listing_overlapped_by_a_change(argv, timeout=60.0):
+        out = run_json(argv, timeout)
+        if len(runner.calls) == 1:
+            b.invalidate()  # the change lands while the first listing is on its way
+        return out
+
+    runner.run_json = listing_overlapped_by_a_change
+    first = b.namespaces()
+    second = b.namespaces()
+    assert runner.calls == [LIST_ARGV, LIST_ARGV]
+    assert first != second  # the second read saw the listing after the change
+    b.namespaces()
+    assert runner.calls == [LIST_ARGV, LIST_ARGV]  # and that one is cached
+
+
 # ----------------------------------------------------- a destroy cut short, resumed
 def test_resumed_delete_destroys_the_raw_leftover_of_a_destroy_cut_short(sysroot, tmp_path):
     """Killed between disable-namespace and destroy-namespace, the namespace keeps its
