@@ -573,8 +573,9 @@ class GpuLoader:
     Defaults come from fresh processes on H200 hosts (16 cores, 13 GB model, the native
     bounce loop): 12 memcpy threads and 32 x 4 MiB pinned buffers. On a host whose
     memcpy bound the load they moved a 2 MiB-page mapping 3-5% faster than 24 x 8 MiB
-    (best and median, verified and not; 128 MiB of buffers fits its 300 MiB L3, so the
-    copy engine reads them from cache); on a faster host 4 and 8 MiB buffers were level.
+    (best and median, verified and not; 128 MiB of buffers fits its 300 MiB L3, which
+    may let the copy engine read them from cache: inferred, not measured); on a faster
+    host 4 and 8 MiB buffers were level.
     Buffers of 2 MiB, 12 x 8 MiB and 16 threads were slower; registering pieces from the
     front with bounce buffers from the back too. docs/loader-benchmark.md has the runs.
     ``last_path`` is the path of the last load; ``registration_refused_reason`` says why
