@@ -27,6 +27,10 @@ tensor that differs. Methods (METHODS; add a variant of ours with one line):
                    csi_pmem.loader.load_safetensors(VOLUME, device=...) with default
                    verification / verify=False, in-pod (no copy service); with several
                    --volume paths one method per volume, named ours@<basename>
+  ours-map, ours-noverify-map
+                   the same with CSI_PMEM_BOUNCE_SOURCE=map: the bounce loop copies
+                   from the mapping also on 4 KiB-page files (by default it reads those
+                   with pread); not in "all", name them in --methods
   ours-node, ours-node-noverify
                    the same from a published directory over the first volume whose
                    gpu.sock reaches the node's GPU copy service (its own process, as
@@ -145,9 +149,10 @@ def peer(name: str) -> Method:
     return Method(run, setup, env if name == "fastsafetensors" else None)
 
 
-def ours(node: bool = False, **kw: Any) -> Method:
+def ours(node: bool = False, env: dict[str, str] | None = None, **kw: Any) -> Method:
     """csi_pmem.loader.load_safetensors(volume, device=..., **kw), as a pod calls it;
-    ``node``: from a published directory whose gpu.sock reaches the copy service."""
+    ``node``: from a published directory whose gpu.sock reaches the copy service;
+    ``env``: the loader's settings for this variant (its environment variables)."""
     def setup(ctx: Ctx) -> None:
         import csi_pmem.loader.gpu  # noqa: F401  (as peers import theirs before the clock)
 
@@ -161,11 +166,13 @@ def ours(node: bool = False, **kw: Any) -> Method:
 
     def env(ctx: Ctx) -> dict[str, str]:
         # In-pod rows must not reach a service, node rows must (no silent fallback).
-        return {"CSI_PMEM_GPU_COPY": "auto" if node else "off"}
+        return {"CSI_PMEM_GPU_COPY": "auto" if node else "off", **(env or {})}
 
     return Method(run, setup, env, volume=True, node=node)
 
 
+# Variants for A/Bs: only when --methods names them.
+EXTRA = ("ours-map", "ours-noverify-map")
 METHODS: dict[str, Method] = {
     CEILING: Method(_ceiling_run, _ceiling_setup, check=False),
     "safetensors": peer("safetensors"),
@@ -174,6 +181,10 @@ METHODS: dict[str, Method] = {
     "runai": peer("runai"),
     "ours": ours(),
     "ours-noverify": ours(verify=False),
+    # The bounce loop copying from the mapping on 4 KiB-page files too (the default
+    # reads those with pread); the same on 2 MiB pages.
+    "ours-map": ours(env={"CSI_PMEM_BOUNCE_SOURCE": "map"}),
+    "ours-noverify-map": ours(verify=False, env={"CSI_PMEM_BOUNCE_SOURCE": "map"}),
     "ours-node": ours(node=True),
     "ours-node-noverify": ours(node=True, verify=False),
 }
@@ -324,7 +335,7 @@ def reference_main(spec: dict[str, Any], out_path: str) -> int:
 
 def parse_methods(text: str) -> list[str]:
     """``--methods`` as a list of METHODS keys, in the order given."""
-    names = list(METHODS) if text in ("", "all") else [
+    names = [n for n in METHODS if n not in EXTRA] if text in ("", "all") else [
         m.strip() for m in text.split(",") if m.strip()]
     unknown = [n for n in names if n not in METHODS]
     if unknown:

@@ -842,7 +842,8 @@ class GpuLoader:
                        view.volume.address, backend.addresses, ready, self.buffer_size,
                        plan.done, events=[int(e) for e in copy.events],
                        stream=int(backend.stream.cuda_stream), ctx=int(copy._ctx),
-                       threads=threads, cpus=node_cpus(view.volume.numa_node), lib=lib)
+                       threads=threads, cpus=node_cpus(view.volume.numa_node),
+                       src_fd=native.source_fd(view.volume.read_fd()), lib=lib)
         finally:
             arena.adopt(ready)  # what the loop faulted in and registered
 

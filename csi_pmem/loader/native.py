@@ -30,6 +30,7 @@ from csi_pmem.loader.plan import Chunk
 log = logging.getLogger(__name__)
 
 ENV = "CSI_PMEM_BOUNCE_NATIVE"
+SOURCE_ENV = "CSI_PMEM_BOUNCE_SOURCE"
 _NAME = "bounce"
 
 
@@ -43,7 +44,8 @@ class Job(ctypes.Structure):
         ("nbuffers", ctypes.c_uint64), ("buffer_size", ctypes.c_uint64),
         ("events", ctypes.c_void_p), ("stream", ctypes.c_uint64), ("ctx", ctypes.c_uint64),
         ("threads", ctypes.c_uint64), ("cpus", ctypes.c_void_p), ("ncpus", ctypes.c_uint64),
-        ("notify_fd", ctypes.c_int64), ("fake", ctypes.c_int64), ("stop", ctypes.c_int64),
+        ("notify_fd", ctypes.c_int64), ("fake", ctypes.c_int64), ("src_fd", ctypes.c_int64),
+        ("stop", ctypes.c_int64),
         ("error", ctypes.c_int64), ("what", ctypes.c_char * 128),
     ]
 
@@ -97,6 +99,18 @@ def library() -> ctypes.CDLL | None:
         return _lib
 
 
+def source_fd(read_fd: int | None) -> int:
+    """The ``src_fd`` for :func:`run`: ``read_fd`` (a volume's
+    :meth:`~csi_pmem.loader.volume.Volume.read_fd`) unless ``CSI_PMEM_BOUNCE_SOURCE=map``
+    says to copy from the mapping; -1 (the mapping) when there is none."""
+    choice = os.environ.get(SOURCE_ENV, "auto")
+    if choice not in ("auto", "map"):
+        raise LoaderError(f"{SOURCE_ENV}={choice!r}: use auto (read 4 KiB-page files with "
+                          "pread, copy from the mapping otherwise; the default) or map "
+                          "(always copy from the mapping)")
+    return -1 if choice == "map" or read_fd is None else read_fd
+
+
 def _u64(values: Sequence[int]) -> array.array:
     return array.array("Q", values)
 
@@ -105,13 +119,15 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
         buffers: Sequence[int], ready: bytearray, buffer_size: int,
         on_done: Callable[[Chunk], None], *, events: Sequence[int] = (), stream: int = 0,
         ctx: int = 0, threads: int = 1, cpus: Sequence[int] = (), fake: bool = False,
-        lib: ctypes.CDLL | None = None) -> None:
+        src_fd: int = -1, lib: ctypes.CDLL | None = None) -> None:
     """Move ``chunks`` through ``buffers``; call ``on_done`` in this thread for each
     chunk once its bytes landed (``dst_base[chunk.target] + chunk.dst``).
 
     ``ready[i]`` says pinned buffer ``i`` is faulted in and registered; the native loop
     prepares the others on first use and sets their flag (the caller records them for
-    unregistering). ``fake``: device addresses are host memory (tests). Raises
+    unregistering). ``src_fd`` >= 0: the workers pread() each piece from that file at
+    its offset (``piece.src``) instead of copying from ``src_base``. ``fake``: device
+    addresses are host memory (tests). Raises
     :class:`NativeError` when the loop failed, or what ``on_done`` raised (the loop is
     then stopped: no new chunk starts, the queued ones land).
     """
@@ -139,7 +155,7 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
               nbuffers=len(buffers), buffer_size=buffer_size,
               events=a_events.buffer_info()[0], stream=stream, ctx=ctx,
               threads=max(1, threads), cpus=a_cpus.buffer_info()[0], ncpus=len(cpus),
-              notify_fd=write_fd, fake=1 if fake else 0)
+              notify_fd=write_fd, fake=1 if fake else 0, src_fd=src_fd)
     outcome: list[int] = []
 
     def call() -> None:

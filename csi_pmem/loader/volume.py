@@ -122,7 +122,8 @@ class Volume:
                  registration_refused_reason: str | None = None,
                  image: str | None = None, fd: int | None = None,
                  persistence: persistence.Persistence = persistence.NONE,
-                 map_sync: bool = False, large_pages: bool = False):
+                 map_sync: bool = False, large_pages: bool = False,
+                 read_fd: int | None = None):
         self.mapping: mmap.mmap | None = mapping
         self.size = size
         self.align = align
@@ -143,6 +144,21 @@ class Volume:
         # Backed by 2 MiB or larger pages (devdax, hugetlbfs, huge tmpfs): see
         # large_pages(); the GPU loader picks its first-load path by it.
         self.large_pages = large_pages
+        # A read-only 4 KiB-page file keeps its fd for pread() (see read_fd()).
+        self._read_fd = read_fd
+
+    def read_fd(self) -> int | None:
+        """An fd that pread() can read the volume through, or None: kept for regular
+        files on 4 KiB pages only.
+
+        Why: a fresh mapping of such a file faults its pages in one by one (or one
+        fault-around window at a time) inside the copies that first touch them; reading
+        the file copies the same bytes without building page tables. A devdax device has
+        no read(), and a 2 MiB-page mapping faults 512 times less often.
+        """
+        if self.large_pages:
+            return None
+        return self._fd if self._fd is not None else self._read_fd
 
     def __repr__(self) -> str:
         mode = "rw" if self.writable else "ro"
@@ -300,9 +316,10 @@ class Volume:
 
     def close(self) -> None:
         self._unmap()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd in (self._fd, self._read_fd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._read_fd = None
 
     def __enter__(self) -> Volume:
         return self
@@ -782,12 +799,15 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
     except BaseException:
         os.close(fd)
         raise
-    if not keep_fd:
+    # A read-only 4 KiB-page file keeps its fd for pread() (Volume.read_fd).
+    keep_read_fd = not keep_fd and not huge and stat.S_ISREG(os.fstat(fd).st_mode)
+    if not keep_fd and not keep_read_fd:
         os.close(fd)
     volume = Volume(mapping, size=size, align=align, numa_node=node, writable=writable,
                     source=image or path, metadata=meta, registration_refused_reason=refused,
                     image=image, fd=fd if keep_fd else None, persistence=durable,
-                    map_sync=synced, large_pages=huge)
+                    map_sync=synced, large_pages=huge,
+                    read_fd=fd if keep_read_fd else None)
     if prefault and not populated:
         volume.prefault()
     if writable:

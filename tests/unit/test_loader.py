@@ -37,6 +37,7 @@ from csi_pmem.loader import (
     verify,
     wsum,
 )
+from csi_pmem.loader import volume as volume_mod
 from csi_pmem.loader.stformat import parse_header
 
 import loader_models as lm
@@ -425,3 +426,22 @@ def test_header_validation(header, why):
     blob = struct.pack("<Q", len(header)) + header + bytes(8)
     with pytest.raises(SafetensorsFormatError, match=why):
         parse_header(blob)
+
+
+def test_a_small_page_file_keeps_an_fd_to_read_it_through(shm, monkeypatch):
+    """The bounce loop reads 4 KiB-page files with pread() (no page faults on a fresh
+    mapping); the fd is the volume's, closed with it. Large pages keep no such fd."""
+    vol = lm.volume_file(shm / "vol", 4 * MiB)
+    with open(vol, "r+b") as f:
+        f.write(b"weights!")
+    monkeypatch.setattr(volume_mod, "large_pages", lambda fd, path=None: False)
+    v = open_volume(vol)
+    fd = v.read_fd()
+    assert fd is not None and os.pread(fd, 8, 0) == b"weights!"
+    v.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert v.read_fd() is None
+    monkeypatch.setattr(volume_mod, "large_pages", lambda fd, path=None: True)
+    with open_volume(vol) as v:
+        assert v.read_fd() is None

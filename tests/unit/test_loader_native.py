@@ -10,6 +10,7 @@ because CI installs with a compiler and must ship it.
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 
 import pytest
@@ -19,7 +20,8 @@ from csi_pmem.loader import native, plan
 from csi_pmem.loader.errors import LoaderError
 
 
-def fake_run(source: bytes, tensors, *, nbuffers=3, size=1000, threads=3, on_done=None):
+def fake_run(source: bytes, tensors, *, nbuffers=3, size=1000, threads=3, on_done=None,
+             src_fd=-1):
     placements, total = plan.place(tensors)
     chunks = plan.bounce_chunks(placements, size)
     dest = ctypes.create_string_buffer(max(total, 1))
@@ -38,7 +40,7 @@ def fake_run(source: bytes, tensors, *, nbuffers=3, size=1000, threads=3, on_don
 
     native.run(chunks, [ctypes.addressof(dest)], ctypes.addressof(src),
                [ctypes.addressof(b) for b in buffers], ready, size, done,
-               threads=threads, fake=True)
+               threads=threads, fake=True, src_fd=src_fd)
     return placements, dest.raw[:total], finished, reported, chunks, ready
 
 
@@ -58,6 +60,48 @@ def test_bytes_exact_every_chunk_once(seed):
     assert sorted(reported) == [c.seq for c in chunks]
     assert sorted(finished) == sorted(t.name for t in ts)
     assert 1 <= sum(ready) <= min(len(ready), len(chunks)), "prepared buffers are flagged"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reading_the_file_moves_the_same_bytes(tmp_path, seed):
+    """src_fd: the workers pread() each piece from the file at its offset; the mapping
+    address is not used (a zeroed buffer stands in for it, so a memcpy would show)."""
+    rnd = random.Random(seed)
+    ts, source = random_model(rnd, 60)
+    path = tmp_path / "volume.img"
+    path.write_bytes(source)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        placements, dest, finished, reported, chunks, _ = fake_run(
+            bytes(len(source)), ts, nbuffers=rnd.choice([1, 3, 8]),
+            threads=rnd.choice([1, 2, 4]), src_fd=fd)
+    finally:
+        os.close(fd)
+    for p in placements:
+        assert dest[p.dst:p.dst + p.nbytes] == source[p.src:p.src + p.nbytes], p
+    assert sorted(reported) == [c.seq for c in chunks]
+    assert sorted(finished) == sorted(t.name for t in ts)
+
+
+def test_a_file_shorter_than_its_pieces_is_an_error_not_zeros(tmp_path):
+    ts = tensors_from([1000] * 20)
+    path = tmp_path / "short.img"
+    path.write_bytes(b"x" * 5000)  # the pieces reach 20000
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(native.NativeError, match="ended early"):
+            fake_run(bytes(20000), ts, nbuffers=2, threads=2, src_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def test_a_bad_fd_is_an_error():
+    ts = tensors_from([1000] * 4)
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(native.NativeError, match="reading the volume file"):
+        fake_run(bytes(4000), ts, nbuffers=2, threads=2, src_fd=r)
 
 
 def test_more_threads_than_buffers():

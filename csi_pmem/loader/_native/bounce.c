@@ -69,6 +69,7 @@ struct csi_job {
     uint64_t ncpus;
     int64_t notify_fd;
     int64_t fake;
+    int64_t src_fd;         /* >= 0: read the pieces from this file (offset = src) */
     volatile int64_t stop;  /* set by the caller to cancel: no new chunk is started */
     int64_t error;          /* first failure: a CUresult, -errno, or ERR_OTHER */
     char what[128];         /* what failed */
@@ -181,6 +182,45 @@ static int prepare(struct shared *sh, uint64_t b)
     return 0;
 }
 
+/* pread() the whole piece; 0, or -1 with the job failed. */
+static int read_piece(struct shared *sh, char *dst, uint64_t off, uint64_t nbytes)
+{
+    while (nbytes) {
+        ssize_t n = pread((int)sh->job->src_fd, dst, nbytes, (off_t)off);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            fail(sh, n < 0 ? -errno : -EIO,
+                 n < 0 ? "reading the volume file" : "reading the volume file (it ended early)");
+            return -1;
+        }
+        dst += n;
+        off += (uint64_t)n;
+        nbytes -= (uint64_t)n;
+    }
+    return 0;
+}
+
+/* Fill buffer b with chunk c's pieces: memcpy from the mapping, or pread() from the
+ * file when the caller gave one (a 4 KiB-page file: reading it skips the page faults
+ * of a fresh mapping, one per page or fault-around window). */
+static int fill(struct shared *sh, uint64_t b, const struct csi_chunk *c)
+{
+    struct csi_job *job = sh->job;
+    const struct csi_piece *p = &job->pieces[c->first_piece];
+    char *buf = (char *)(uintptr_t)job->buffers[b];
+    for (uint64_t k = 0; k < c->npieces; k++) {
+        if (job->src_fd >= 0) {
+            if (read_piece(sh, buf + p[k].buf_off, p[k].src, p[k].nbytes))
+                return -1;
+        } else {
+            memcpy(buf + p[k].buf_off, (const char *)(uintptr_t)(job->src_base + p[k].src),
+                   p[k].nbytes);
+        }
+    }
+    return 0;
+}
+
 static int transfer(struct shared *sh, uint64_t b, const struct csi_chunk *c)
 {
     struct csi_job *job = sh->job;
@@ -256,10 +296,8 @@ static void *work(void *arg)
         }
         if (prepare(sh, b))
             break;
-        const struct csi_piece *p = &job->pieces[c->first_piece];
-        for (uint64_t k = 0; k < c->npieces; k++)
-            memcpy((char *)(uintptr_t)job->buffers[b] + p[k].buf_off,
-                   (const char *)(uintptr_t)(job->src_base + p[k].src), p[k].nbytes);
+        if (fill(sh, b, c))
+            break;
         if (transfer(sh, b, c))
             break;
         pending[slot] = i;
