@@ -149,10 +149,10 @@ def peer(name: str) -> Method:
     return Method(run, setup, env if name == "fastsafetensors" else None)
 
 
-def ours(node: bool = False, env: dict[str, str] | None = None, **kw: Any) -> Method:
+def ours(node: bool = False, settings: dict[str, str] | None = None, **kw: Any) -> Method:
     """csi_pmem.loader.load_safetensors(volume, device=..., **kw), as a pod calls it;
     ``node``: from a published directory whose gpu.sock reaches the copy service;
-    ``env``: the loader's settings for this variant (its environment variables)."""
+    ``settings``: the loader's environment variables for this variant."""
     def setup(ctx: Ctx) -> None:
         import csi_pmem.loader.gpu  # noqa: F401  (as peers import theirs before the clock)
 
@@ -166,7 +166,7 @@ def ours(node: bool = False, env: dict[str, str] | None = None, **kw: Any) -> Me
 
     def env(ctx: Ctx) -> dict[str, str]:
         # In-pod rows must not reach a service, node rows must (no silent fallback).
-        return {"CSI_PMEM_GPU_COPY": "auto" if node else "off", **(env or {})}
+        return {"CSI_PMEM_GPU_COPY": "auto" if node else "off", **(settings or {})}
 
     return Method(run, setup, env, volume=True, node=node)
 
@@ -183,8 +183,8 @@ METHODS: dict[str, Method] = {
     "ours-noverify": ours(verify=False),
     # The bounce loop copying from the mapping on 4 KiB-page files too (the default
     # reads those with pread); the same on 2 MiB pages.
-    "ours-map": ours(env={"CSI_PMEM_BOUNCE_SOURCE": "map"}),
-    "ours-noverify-map": ours(verify=False, env={"CSI_PMEM_BOUNCE_SOURCE": "map"}),
+    "ours-map": ours(settings={"CSI_PMEM_BOUNCE_SOURCE": "map"}),
+    "ours-noverify-map": ours(verify=False, settings={"CSI_PMEM_BOUNCE_SOURCE": "map"}),
     "ours-node": ours(node=True),
     "ours-node-noverify": ours(node=True, verify=False),
 }
