@@ -837,20 +837,14 @@ class GpuLoader:
         assert isinstance(copy, _DriverCopy)
         arena = backend.arena
         ready = bytearray(1 if r else 0 for r in arena._ready)
-        # Our own fd for the workers' reads: a close() of the volume meanwhile cannot
-        # pull it from under them (or hand its number to another file).
-        src_fd = native.source_fd(view.volume.read_fd())
-        src_fd = os.dup(src_fd) if src_fd >= 0 else -1
         try:
             native.run(plan.chunks, [t.data_ptr() for t in backend.targets],
                        view.volume.address, backend.addresses, ready, self.buffer_size,
                        plan.done, events=[int(e) for e in copy.events],
                        stream=int(backend.stream.cuda_stream), ctx=int(copy._ctx),
                        threads=threads, cpus=node_cpus(view.volume.numa_node),
-                       src_fd=src_fd, lib=lib)
+                       src_fd=native.source_fd(view.volume.read_fd()), lib=lib)
         finally:
-            if src_fd >= 0:
-                os.close(src_fd)
             arena.adopt(ready)  # what the loop faulted in and registered
 
     def _load_node(self, view: ModelView, targets: list[FileTarget],

@@ -148,7 +148,15 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
     a_buffers, a_events = _u64(buffers), _u64(events or [0] * len(buffers))
     a_cpus = array.array("q", cpus or [0])
     a_ready = (ctypes.c_uint8 * len(ready)).from_buffer(ready)
-    read_fd, write_fd = os.pipe()
+    # The workers read through their own fd: a close() of the caller's (the volume's)
+    # meanwhile cannot pull it from under them or hand its number to another file.
+    src_fd = os.dup(src_fd) if src_fd >= 0 else -1
+    try:
+        read_fd, write_fd = os.pipe()
+    except BaseException:
+        if src_fd >= 0:
+            os.close(src_fd)
+        raise
     job = Job(chunks=a_chunks.buffer_info()[0], nchunks=len(chunks),
               pieces=a_pieces.buffer_info()[0], src_base=src_base,
               buffers=a_buffers.buffer_info()[0], ready=ctypes.addressof(a_ready),
@@ -169,8 +177,9 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
     try:
         runner.start()
     except BaseException:
-        os.close(write_fd)
-        os.close(read_fd)
+        for fd in (write_fd, read_fd, src_fd):
+            if fd >= 0:
+                os.close(fd)
         raise
     try:
         rest = b""
@@ -193,6 +202,8 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
     finally:
         runner.join()
         os.close(read_fd)
+        if src_fd >= 0:
+            os.close(src_fd)
         del a_ready  # the bytearray may be resized again
     if error is not None:
         raise error

@@ -10,6 +10,7 @@ because CI installs with a compiler and must ship it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import random
 
@@ -95,13 +96,49 @@ def test_a_file_shorter_than_its_pieces_is_an_error_not_zeros(tmp_path):
         os.close(fd)
 
 
-def test_a_bad_fd_is_an_error():
+def test_a_closed_fd_is_refused_before_the_loop_starts():
     ts = tensors_from([1000] * 4)
     r, w = os.pipe()
     os.close(r)
     os.close(w)
-    with pytest.raises(native.NativeError, match="reading the volume file"):
+    with pytest.raises(OSError) as info:
         fake_run(bytes(4000), ts, nbuffers=2, threads=2, src_fd=r)
+    assert info.value.errno == errno.EBADF
+
+
+def test_the_loop_reads_through_its_own_fd(tmp_path):
+    """The caller's fd (the volume's) closed mid-load, its number taken by another
+    file: the workers still read the volume, and the caller's fd is never closed by
+    the loop."""
+    ts = tensors_from([1000] * 40)
+    source = bytes(range(256)) * 160
+    path = tmp_path / "volume.img"
+    path.write_bytes(source)
+    other = tmp_path / "other.img"
+    other.write_bytes(bytes(len(source)))
+    fd = os.open(path, os.O_RDONLY)
+    taken: list[int] = []
+
+    def close_the_volume(c):
+        if not taken:
+            os.close(fd)
+            taken.append(os.open(other, os.O_RDONLY))  # likely the same number
+
+    try:
+        placements, dest, _, reported, chunks, _ = fake_run(
+            source, ts, nbuffers=2, threads=2, src_fd=fd, on_done=close_the_volume)
+    finally:
+        for f in taken:
+            os.close(f)
+    for p in placements:
+        assert dest[p.dst:p.dst + p.nbytes] == source[p.src:p.src + p.nbytes], p
+    assert sorted(reported) == [c.seq for c in chunks]
+    fd2 = os.open(path, os.O_RDONLY)
+    try:
+        fake_run(source, ts[:2], src_fd=fd2)
+        os.fstat(fd2)  # still the caller's
+    finally:
+        os.close(fd2)
 
 
 def test_more_threads_than_buffers():
