@@ -30,15 +30,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from csi_pmem.loader.volume import buffer_address
+from csi_pmem.loader.volume import MADV_POPULATE_READ, buffer_address, libc
 
-MADV_POPULATE_READ = 22
 METHODS = ("memcpy", "populate+memcpy", "pread")
 
 
 def _worker_run(path: str, method: str, threads: int, chunk: int, buffers: int) -> float:
     """One fresh-process measurement: seconds to move the whole file."""
-    libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(path, os.O_RDONLY)
     size = os.fstat(fd).st_size
     # The destination buffers are faulted in before the clock, as the loader's pinned
@@ -52,7 +50,7 @@ def _worker_run(path: str, method: str, threads: int, chunk: int, buffers: int) 
     src = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) \
         if method != "pread" else None
     src_addr = buffer_address(src) if src is not None else 0
-    madvise = libc.madvise
+    madvise = libc().madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
     def work(slot: int) -> None:
@@ -67,7 +65,8 @@ def _worker_run(path: str, method: str, threads: int, chunk: int, buffers: int) 
             off = i * chunk
             n = min(chunk, size - off)
             if method == "pread":
-                os.preadv(fd, [target[:n]], off)
+                if os.preadv(fd, [target[:n]], off) != n:  # a short read would flatter it
+                    raise OSError(f"short read of {path} at {off}")
                 continue
             if method == "populate+memcpy":
                 madvise(src_addr + off, n, MADV_POPULATE_READ)
