@@ -3,6 +3,9 @@
 # root: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, and per node a
 # containerd + runc (own config, root, state, socket), a kubelet (cgroupfs driver, cgroup
 # v1 allowed, root dir under the temp root) and a CNI bridge with its own pod subnet.
+# Each node's containerd and kubelet run in a PID and mount namespace of the node's own,
+# whose PID 1 is node-init.sh and where /var/lib/kubelet is that node's kubelet dir
+# (node-init.sh says why).
 # Every process started is recorded in $E2E_ROOT/pids and stopped by down.sh, which also
 # runs on any failure here.
 #
@@ -95,6 +98,12 @@ echo "NODES=${NODES}" >> "${ROOT}/state.env"
 for d in /var/log/containers /run/containerd; do
   [[ -e "${d}" ]] || echo "${d}" >> "${ROOT}/created-dirs"
 done
+# /var/lib/kubelet: the mount point of each node's own kubelet dir, in that node's mount
+# namespace only (node-init.sh). The host's stays as it is.
+if [[ ! -e /var/lib/kubelet ]]; then
+  mkdir /var/lib/kubelet
+  echo /var/lib/kubelet >> "${ROOT}/created-dirs"
+fi
 
 # A shared mount at the root: kubelet's dir needs Bidirectional propagation for the
 # driver's tmpfs mounts (the host's / is private here), and down.sh unmounts below it.
@@ -165,6 +174,44 @@ start() {  # start NAME CMD... : run in its own session, record the PID
   setsid "$@" > "${ROOT}/logs/${name}.log" 2>&1 < /dev/null 9>&- &
   echo $! > "${ROOT}/pids/${name}.pid"
   log "${name} started (pid $!)"
+}
+first_child() {  # first_child PID: the PID of PID's first child, once it has one
+  local i c
+  for i in $(seq 200); do
+    c=$(cat "/proc/$1/task/$1/children" 2>/dev/null) || true
+    [[ -n "${c}" ]] && { echo "${c%% *}"; return 0; }
+    kill -0 "$1" 2>/dev/null || break
+    sleep 0.05
+  done
+  return 1
+}
+# node_up I: node I's namespaces, PID 1 node-init.sh (unshare forks it: the recorded PID
+# is the child, this host's PID of the node's init, which SIGTERM ends with the node).
+node_up() {
+  node_vars "${ROOT}" "$1"
+  local name="node${N_SUFFIX}" ready="${N_ROOT}/node-init.ready" outer init
+  setsid unshare --pid --kill-child --mount --mount-proc --propagation unchanged -- \
+    "${here}/node-init.sh" "${N_ROOT}/kubelet" "${ready}" \
+    > "${ROOT}/logs/${name}.log" 2>&1 < /dev/null 9>&- &
+  outer=$!
+  init=$(first_child "${outer}") || die "${name}: unshare started no init (see ${ROOT}/logs)"
+  echo "${init}" > "${ROOT}/pids/${name}.pid"
+  wait_for "${name}'s namespaces (init pid ${init})" 30 test -e "${ready}"
+}
+# start_in_node NAME CMD...: as start, inside the namespaces of the node node_vars last
+# named. nsenter forks the command into the PID namespace and waits for it; the PID
+# recorded is the command's own (kill it, and the nsenter that waits goes too).
+start_in_node() {
+  local name=$1; shift
+  local init outer pid
+  init=$(cat "${ROOT}/pids/node${N_SUFFIX}.pid")
+  setsid nsenter --target "${init}" --pid --mount -- "$@" \
+    > "${ROOT}/logs/${name}.log" 2>&1 < /dev/null 9>&- &
+  outer=$!
+  pid=$(first_child "${outer}") || die "${name}: nsenter into node${N_SUFFIX} failed" \
+    "($(tail -2 "${ROOT}/logs/${name}.log"))"
+  echo "${pid}" > "${ROOT}/pids/${name}.pid"
+  log "${name} started in node${N_SUFFIX} (pid ${pid})"
 }
 wait_for() {  # wait_for WHAT SECONDS CMD...
   local what=$1 secs=$2; shift 2
@@ -261,7 +308,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 EOF
 nri_config >> "${ctrd}/config.toml"
 write_cni_conf "${N_ROOT}"
-start "containerd${N_SUFFIX}" containerd --config "${ctrd}/config.toml" --log-level warn
+node_up "$1"
+start_in_node "containerd${N_SUFFIX}" containerd --config "${ctrd}/config.toml" --log-level warn
 wait_for "containerd${N_SUFFIX}" 30 ctr --address "${ctrd}/containerd.sock" version
 import_images "${ctrd}/containerd.sock" > "${ROOT}/logs/import${N_SUFFIX}.log" 2>&1 &
 import_pids+=("$!")
@@ -370,7 +418,7 @@ evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available:
 enforceNodeAllocatable: [pods]
 maxPods: 50
 EOF
-start "kubelet${N_SUFFIX}" kubelet --config "${N_ROOT}/kubelet-config.yaml" \
+start_in_node "kubelet${N_SUFFIX}" kubelet --config "${N_ROOT}/kubelet-config.yaml" \
   --kubeconfig "${ROOT}/kubelet${N_SUFFIX}.kubeconfig" --root-dir "${N_ROOT}/kubelet" \
   --hostname-override "${N_NAME}" --node-ip "${N_IP}" --v=1
 }
