@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from csi_pmem.loader.stformat import TensorInfo
 from csi_pmem.sizes import round_up
@@ -31,17 +32,20 @@ class Placement:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A memcpy from the volume into a pinned buffer at ``buf_off``."""
+class Piece(NamedTuple):
+    """A memcpy from the volume into a pinned buffer at ``buf_off``.
+
+    Piece and :class:`Chunk` are named tuples, not frozen dataclasses: a 13 GB load
+    plans about 3,100 of each before its first byte moves, and a frozen dataclass costs
+    three times as much to create (the plan took 8-13 ms of a 0.28 s load).
+    """
 
     src: int
     buf_off: int
     nbytes: int
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """One host-to-device transfer of ``nbytes`` to ``dst`` of target ``target``.
 
     Bounce path: the pieces fill a pinned buffer, whose first ``nbytes`` then go to
@@ -104,24 +108,37 @@ def _split(runs_: list[tuple[int, int, int]], limit: int,
 
 def bounce_chunks(placements: list[Placement], buffer_size: int, target: int = 0,
                   first_seq: int = 0) -> list[Chunk]:
-    """Group runs into windows of the device address space that fit one buffer."""
+    """Group runs into windows of the device address space that fit one buffer.
+
+    One pass, no intermediate lists: this runs once per chunk of every bounce load, on
+    the clock before the first copy starts.
+    """
     if buffer_size <= 0:
         raise ValueError("buffer_size must be positive")
     chunks: list[Chunk] = []
     pieces: list[Piece] = []
-    start = 0
-
-    def close() -> None:
-        if pieces:
-            end = max(p.buf_off + p.nbytes for p in pieces)
-            chunks.append(Chunk(first_seq + len(chunks), target, start, end, tuple(pieces)))
-
-    for src, dst, n in _split(runs(placements), buffer_size, []):
-        if not pieces or dst + n - start > buffer_size:
-            close()
-            pieces, start = [], dst
-        pieces.append(Piece(src, dst - start, n))
-    close()
+    start = end = 0  # the open window's device offset, and its bytes so far
+    for src, dst, n in runs(placements):
+        while n:
+            take = n if n < buffer_size else buffer_size
+            if pieces and dst + take - start > buffer_size:
+                chunks.append(Chunk(first_seq + len(chunks), target, start, end,
+                                    tuple(pieces)))
+                pieces = []
+            if not pieces:
+                if take == buffer_size:  # a window of its own: most chunks of a load
+                    chunks.append(Chunk(first_seq + len(chunks), target, dst, take,
+                                        (Piece(src, 0, take),)))
+                    src, dst, n = src + take, dst + take, n - take
+                    continue
+                start, end = dst, 0
+            off = dst - start
+            pieces.append(Piece(src, off, take))
+            if off + take > end:
+                end = off + take
+            src, dst, n = src + take, dst + take, n - take
+    if pieces:
+        chunks.append(Chunk(first_seq + len(chunks), target, start, end, tuple(pieces)))
     return chunks
 
 
@@ -138,33 +155,40 @@ def direct_chunks(placements: list[Placement], max_bytes: int, boundaries: list[
 class Completion:
     """Counts outstanding transfers per tensor; says which tensors a chunk finishes.
 
-    Zero-byte tensors are complete from the start (:attr:`ready`).
+    Zero-byte tensors are complete from the start (:attr:`ready`). The chunks of one
+    target never overlap on the device (two would race to write the same bytes), nor
+    do its tensors, so both sides are kept as sorted bounds and matched by bisection:
+    nothing per chunk is built here. A whole-file load has thousands of chunks and a
+    few dozen tensors, and this runs on the clock before the first copy starts.
     """
 
     def __init__(self, placements: list[Placement], chunks: list[Chunk]):
-        self._left: dict[str, int] = {}
-        self._by_chunk: dict[int, list[str]] = {}
-        self.ready: list[str] = []
-        starts = sorted((c.dst, c.dst + c.nbytes, c.seq) for c in chunks)
-        keys = [s[0] for s in starts]
-        for p in placements:
-            if p.nbytes == 0:
-                self.ready.append(p.name)
-                continue
-            lo = max(0, bisect.bisect_right(keys, p.dst) - 1)
-            hits = []
-            for dst, end, seq in starts[lo:]:
-                if dst >= p.dst + p.nbytes:
-                    break
-                if end > p.dst:
-                    hits.append(seq)
-            self._left[p.name] = len(hits)
-            for seq in hits:
-                self._by_chunk.setdefault(seq, []).append(p.name)
+        self.ready = [p.name for p in placements if p.nbytes == 0]
+        live = sorted((p for p in placements if p.nbytes), key=lambda p: p.dst)
+        self._names = [p.name for p in live]
+        self._starts = [p.dst for p in live]
+        self._ends = [p.dst + p.nbytes for p in live]
+        starts = sorted(c.dst for c in chunks)
+        ends = sorted(c.dst + c.nbytes for c in chunks)
+        # Sorted each by itself, intervals do not overlap exactly when every end is at
+        # most the next start.
+        if any(e > s for e, s in zip(ends, starts[1:], strict=False)) or \
+                any(e > s for e, s in zip(self._ends, self._starts[1:], strict=False)):
+            raise ValueError("chunks (or tensors) of one target overlap on the device")
+        # A tensor [a, b) waits for the chunks that end after a and start before b.
+        self._left = {name: bisect.bisect_left(starts, b) - bisect.bisect_right(ends, a)
+                      for name, a, b in zip(self._names, self._starts, self._ends,
+                                            strict=True)}
+        self._seen: set[int] = set()
 
     def done(self, chunk: Chunk) -> list[str]:
+        if chunk.seq in self._seen:
+            return []
+        self._seen.add(chunk.seq)
+        first = bisect.bisect_right(self._ends, chunk.dst)
+        last = bisect.bisect_left(self._starts, chunk.dst + chunk.nbytes)
         finished = []
-        for name in self._by_chunk.pop(chunk.seq, []):
+        for name in self._names[first:last]:
             self._left[name] -= 1
             if self._left[name] == 0:
                 finished.append(name)

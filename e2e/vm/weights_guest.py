@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +69,32 @@ def assert_loads_bit_exact(volume: str, model: Path, name: str | None = None) ->
     # The views keep the mapping (and so an fsdax file system's mount) busy until they
     # are collected: drop them before the caller unpublishes.
     del got
-    gc.collect()
+    released(volume)
     return len(ref)
+
+
+def released(volume: str, timeout: float = 60) -> None:
+    """Wait until this process maps no file below ``volume`` (a published target).
+
+    Why a wait and not one gc.collect(): a load's futures and their callbacks form a
+    reference cycle that holds the tensors, and the host check's thread still holds it
+    for a moment after the load's result() returned. A collection then frees nothing,
+    none runs later, and the fsdax mount stays busy: NodeUnpublishVolume's umount
+    failed with "target is busy" once in the VM tier.
+    """
+    prefix = os.path.realpath(volume) + "/"
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        with open("/proc/self/maps") as f:
+            held = sorted({line.split(None, 5)[5].strip() for line in f
+                           if len(line.split(None, 5)) == 6
+                           and line.split(None, 5)[5].startswith(prefix)})
+        if not held:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still mapped by the test after {timeout:.0f} s: {held}")
+        time.sleep(0.05)
 
 
 def persisted_with(stage_stdout: str) -> str:
