@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -154,18 +155,28 @@ def _close_when_done(handle: LoadHandle, gpu: Any) -> None:
 
     Views handed out keep the mapping alive until they are freed (Volume.close), and a
     loader must not keep a registration of a mapping nobody can load from again.
+
+    The callbacks hold the handle weakly. A future keeps its callbacks, so a strong
+    reference would make a cycle (handle, future, callback, handle) through which the
+    handle's tensors, and so the mapping, outlive the caller's last reference until the
+    garbage collector happens to run: an fsdax mount then stays busy after its last
+    user let go. Whoever resolves the last future holds the handle while it does.
     """
     lock = threading.Lock()
     closed = [False]
+    ref = weakref.ref(handle)
 
     def maybe_close(_: Future[Any]) -> None:
+        h = ref()
+        if h is None:
+            return
         with lock:
-            if closed[0] or not (handle.done.done() and handle.verified.done()):
+            if closed[0] or not (h.done.done() and h.verified.done()):
                 return
             closed[0] = True
         if gpu is not None:
-            gpu.release(handle.view.volume)
-        handle.view.volume.close()
+            gpu.release(h.view.volume)
+        h.view.volume.close()
 
     handle.done.add_done_callback(maybe_close)
     handle.verified.add_done_callback(maybe_close)

@@ -76,11 +76,13 @@ def assert_loads_bit_exact(volume: str, model: Path, name: str | None = None) ->
 def released(volume: str, timeout: float = 60) -> None:
     """Wait until this process maps no file below ``volume`` (a published target).
 
-    Why a wait and not one gc.collect(): a load's futures and their callbacks form a
-    reference cycle that holds the tensors, and the host check's thread still holds it
-    for a moment after the load's result() returned. A collection then frees nothing,
-    none runs later, and the fsdax mount stays busy: NodeUnpublishVolume's umount
-    failed with "target is busy" once in the VM tier.
+    Why: NodeUnpublishVolume's umount of an fsdax target failed once in this tier with
+    "target is busy". A load's futures and their callbacks formed a reference cycle
+    holding the tensors, and one gc.collect() did not free it while the host check's
+    thread still held it. The loader no longer makes that cycle
+    (api._close_when_done); the thread still lets go a moment after the load's
+    result() returned, hence a wait, which also checks that nothing else maps the
+    volume.
     """
     prefix = os.path.realpath(volume) + "/"
     deadline = time.monotonic() + timeout

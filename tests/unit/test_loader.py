@@ -9,9 +9,11 @@ later load would trust.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +78,31 @@ def test_cpu_views_are_backed_by_the_read_only_mapping(shm):
         assert not arr.flags.writeable
     # The arrays outlive close(): the mapping goes when they do.
     assert arr.sum() == lm.reference(shm / "src")["f32"].sum()
+
+
+def test_dropping_the_tensors_unmaps_a_volume_the_load_opened(shm):
+    """No reference cycle holds a load's tensors: once the caller drops them, the
+    mapping goes at once (an fsdax mount can be unmounted), garbage collector or not."""
+    lm.save_numpy_model(shm / "src", lm.numpy_tensors())
+    vol = os.path.realpath(lm.staged_volume(shm / "src", shm / "vol"))
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as f:
+            return any(line.rstrip().endswith(" " + vol) for line in f)
+
+    gc.collect()
+    gc.disable()
+    try:
+        got = load_numpy(vol)
+        assert mapped()
+        del got
+        # The host check's thread lets go of the handle just after result() returned.
+        deadline = time.monotonic() + 10
+        while mapped() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not mapped(), "the mapping outlived the tensors: a reference cycle holds them"
+    finally:
+        gc.enable()
 
 
 def test_bf16_fp8_and_unaligned_tensors_are_raw_views(shm):
