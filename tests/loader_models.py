@@ -223,6 +223,14 @@ def fake_mountinfo(path: Path, mounts: list[tuple[str, str, str, str]],
     return path
 
 
+def mapped_files() -> set[str]:
+    """Paths of the files this process maps now (``/proc/self/maps``): what keeps a
+    volume's file, and so its mount, in use."""
+    with open("/proc/self/maps") as f:
+        return {fields[5].rstrip("\n") for line in f
+                if len(fields := line.split(None, 5)) == 6}
+
+
 def reference(directory: Path) -> dict[str, np.ndarray]:
     """Every tensor of the model's safetensors files, read by safetensors itself."""
     from safetensors.numpy import load_file

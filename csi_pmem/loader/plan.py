@@ -37,7 +37,7 @@ class Piece(NamedTuple):
 
     Piece and :class:`Chunk` are named tuples, not frozen dataclasses: a 13 GB load
     plans about 3,100 of each before its first byte moves, and a frozen dataclass costs
-    three times as much to create (the plan took 8-13 ms of a 0.28 s load).
+    three times as much to create (the whole plan took 7-13 ms of a 0.28 s load).
     """
 
     src: int

@@ -65,17 +65,14 @@ stop_recorded kube-controller-manager kube-controller-manager
 stop_recorded kube-scheduler kube-scheduler
 
 # 2. Pod containers, node by node: kill every task through the node's containerd while
-#    it still runs, then stop the shims by the PIDs containerd recorded for them
-#    (shim.pid in each bundle) or by their command line. A node up.sh gave namespaces
-#    of its own has those PIDs numbered in its namespace, not this host's: its shims
-#    are found by command line, and its init, stopped last, takes whatever is left of
-#    the node with it.
+#    it still runs, then stop the shims, found by the socket on their command line (the
+#    PIDs containerd records in the bundles are numbered in the node's PID namespace,
+#    not this host's; containerd 1.x writes none for a pod's grouped shim). The node's
+#    init, stopped last, takes whatever is left of the node with it.
 for ((n = 0; n < MAX_NODES; n++)); do
 node_vars "${ROOT}" "${n}"
 ctrd="${N_ROOT}/containerd"
 sock="${ctrd}/containerd.sock"
-own_pids=1   # the PID files in the bundles are this host's
-[[ -f "${ROOT}/pids/node${N_SUFFIX}.pid" ]] && own_pids=0
 if [[ -S "${sock}" ]] \
     && kill -0 "$(cat "${ROOT}/pids/containerd${N_SUFFIX}.pid" 2>/dev/null)" 2>/dev/null
 then
@@ -89,22 +86,8 @@ then
   done
   for t in $(ctr_ tasks ls -q 2>/dev/null); do ctr_ tasks rm -f "${t}" >/dev/null 2>&1; done
 fi
-for f in "${ctrd}"/state/io.containerd.runtime.v2.task/*/*/shim.pid; do
-  [[ -f "${f}" ]] && ((own_pids)) || continue
-  stop_pid "shim $(basename "$(dirname "${f}")" | cut -c1-12)" "$(cat "${f}")" "${sock}"
-done
-# Shims whose containerd died (a crashed node) are found by the socket they were
-# started for: containerd 1.x writes no shim.pid for a pod's grouped shim.
 for pid in $(procs_of "-address ${sock}"); do
   stop_pid "shim ${pid}" "${pid}" "${sock}"
-done
-for f in "${ctrd}"/state/io.containerd.runtime.v2.task/*/*/init.pid; do
-  [[ -f "${f}" ]] && ((own_pids)) || continue
-  pid=$(cat "${f}")
-  # A container process outlives its shim only if something went badly wrong.
-  if [[ -d "/proc/${pid}" ]] && grep -q "${CGROUP_ROOT}" "/proc/${pid}/cgroup" 2>/dev/null; then
-    kill -KILL "${pid}" 2>/dev/null && log "killed container init ${pid}"
-  fi
 done
 stop_recorded "containerd${N_SUFFIX}" "${ctrd}/config.toml"
 # The node's init (up.sh, node-init.sh): on SIGTERM it exits, and the kernel kills

@@ -88,10 +88,7 @@ def released(volume: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while True:
         gc.collect()
-        with open("/proc/self/maps") as f:
-            held = sorted({line.split(None, 5)[5].strip() for line in f
-                           if len(line.split(None, 5)) == 6
-                           and line.split(None, 5)[5].startswith(prefix)})
+        held = sorted(p for p in lm.mapped_files() if p.startswith(prefix))
         if not held:
             return
         if time.monotonic() > deadline:
