@@ -22,7 +22,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from csi_pmem.daxsock import DaxSocketServer
 from csi_pmem.gpucopy import protocol
@@ -453,3 +456,203 @@ def test_the_driver_serves_gpu_sock_and_releases_the_volume(driver_factory, work
         log.close()
     text = (work / "service.log").read_text()
     assert "registered" in text and f"volume {vid} released" in text
+
+
+# -- checksums computed by the service -------------------------------------------------
+
+def test_sum_ranges_are_checked():
+    def parse(sums, size=64):
+        return protocol.parse_copy_request({"op": "copy", "gpu": "g", "size": size,
+                                            "copies": [], "sums": sums}, 100)
+
+    assert parse([[0, 8], [8, 13], [24, 0]]).sums == (
+        protocol.Sum(0, 8), protocol.Sum(8, 13), protocol.Sum(24, 0))
+    for sums, match in [([[4, 8]], "8-byte boundary"), ([[56, 16]], "outside the allocation"),
+                        ([[16, 8], [8, 8]], "sorted and disjoint"),
+                        ([[0, 16], [8, 8]], "sorted and disjoint"), ([[0]], "non-negative"),
+                        ({"0": 8}, "not a list"), ([[0, 1]] * (protocol.MAX_SUMS + 1),
+                                                    "more than")]:
+        with pytest.raises(protocol.ProtocolError, match=match):
+            parse(sums)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 40)), max_size=12),
+       st.lists(st.integers(0, 30), max_size=10))
+def test_last_writers_is_the_last_overlapping_copy(copies, cuts):
+    """Against the definition: the largest index of a copy that writes a byte of the
+    range (copies in any order, overlapping or empty; ranges sorted and disjoint)."""
+    copies = [protocol.Copy(0, dst, n) for dst, n in copies]
+    sums, pos = [], 0
+    for i, gap in enumerate(cuts):
+        start = pos + (gap if i % 2 else 0)
+        sums.append(protocol.Sum(start, gap * 3))
+        pos = start + gap * 3
+    want = []
+    for s in sums:
+        hits = [i for i, c in enumerate(copies)
+                if c.nbytes and s.nbytes and c.dst < s.dst + s.nbytes and s.dst < c.dst + c.nbytes]
+        want.append(max(hits) if hits else None)
+    got = protocol.last_writers(copies, sums)
+    # An empty range has no byte to wait for: any answer is fine for it.
+    assert [g for g, s in zip(got, sums, strict=True) if s.nbytes] == \
+        [w for w, s in zip(want, sums, strict=True) if s.nbytes]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Stage with 64 KiB checksum chunks, so that files span several and the header's
+    chunk is shared with tensor bytes."""
+    import dataclasses
+
+    from csi_pmem.loader import staging
+
+    real = staging.allocate
+    monkeypatch.setattr(staging, "allocate", lambda *a, **kw: dataclasses.replace(
+        real(*a, **kw), chunk_size=64 << 10))
+
+
+def service_checks(vol: Path, base_of: dict[str, int]):
+    """The loader's check plans (as a node-path load makes them) per file."""
+    from csi_pmem.loader import gpuverify
+
+    v = open_volume(vol)
+    view = open_model(v)
+    checks = {}
+    for fname, tensors in view.select().items():
+        plan = gpuverify.device_plan(view, fname, tensors)
+        assert plan is not None
+        placements, _ = place(tensors)
+        checks[fname] = gpuverify.service_check(view, plan, base_of[fname] + placements[0].dst)
+        assert checks[fname] is not None
+    return v, checks
+
+
+def sharded_bigger(work: Path) -> Path:
+    src = work / "src"
+    lm.sharded_model(src, shards=2, per_shard=3)
+    for f in src.glob("*.safetensors"):  # tensors of ~256 KiB: several chunks each
+        from safetensors.numpy import load_file, save_file
+
+        got = load_file(str(f))
+        save_file({k: np.tile(a, (64, 1)) for k, a in got.items()}, str(f))
+    (src / "model.safetensors.index.json").unlink(missing_ok=True)
+    return lm.staged_volume(src, work / "vol", size=64 * MiB, name="m")
+
+
+def file_bases(vol: Path) -> tuple[list[protocol.Copy], int, dict[str, int]]:
+    copies, base, bases = [], 0, {}
+    with open_volume(vol) as v:
+        view = open_model(v)
+        for fname, tensors in view.select().items():
+            placements, size = place(tensors)
+            bases[fname] = base
+            copies += [protocol.Copy(s, base + d, n) for s, d, n in runs(placements)]
+            base += -(-size // 4096) * 4096
+    return copies, base, bases
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_the_service_sums_what_landed_and_the_pod_compares(work, node_factory, small_chunks,
+                                                            corrupt):
+    """The whole model in one allocation, the loader's check plans as sums: the
+    service's sums, combined with the header bytes' by the pod, match the staged
+    checksums of every chunk; a byte changed on the volume after staging is one
+    mismatch, in the chunk that holds it."""
+    vol = sharded_bigger(work)
+    copies, size, bases = file_bases(vol)
+    v, checks = service_checks(vol, bases)
+    try:
+        assert sum(len(c.plan.chunks) for c in checks.values()) >= 8
+        fname, check = next(iter(checks.items()))
+        if corrupt:  # a byte in the middle of the first file's third chunk
+            chunk = check.plan.chunks[2]
+            with open(vol, "r+b") as fh:
+                fh.seek(chunk.offset + chunk.length // 2)
+                byte = fh.read(1)
+                fh.seek(-1, os.SEEK_CUR)
+                fh.write(bytes([byte[0] ^ 0x10]))
+        node = node_factory(vol)
+        fd, _out = allocation(size)
+        sums: list[protocol.Sum] = []
+        spans = {}
+        for f, c in checks.items():  # one request here: the files' ranges in order
+            spans[f] = (len(sums), len(c.ranges))
+            sums += [protocol.Sum(*r) for r in c.ranges]
+        report = request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None,
+                                sums=sums)
+        assert len(report["sums"]) == 1 and len(report["sums"][0]) == len(sums)
+        bad = []
+        for f, c in checks.items():
+            first, n = spans[f]
+            bad += c.mismatches(report["sums"][0][first:first + n])
+        if corrupt:
+            assert [(m.chunk.file, m.chunk.index) for m in bad] == [(fname, 2)]
+        else:
+            assert bad == []
+        assert node.copier.outstanding == 0
+    finally:
+        v.close()
+
+
+def test_a_service_without_the_kernel_sends_no_sums(work, node_factory):
+    vol, _ = staged(work)
+    node = node_factory(vol, copier=FakeCopier(sums=False))
+    copies, size, _ = whole_model_copies(vol)
+    fd, _out = allocation(size)
+    report = request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None,
+                            sums=[protocol.Sum(0, 64)])
+    assert report["ok"] and "sums" not in report
+
+
+def test_a_failed_copy_spends_the_checksum_token_too(work, node_factory):
+    copier = FakeCopier(fail_at=2)
+    node, copies, size, fd, _out = whole_model_request(work, node_factory, copier)
+    with pytest.raises(NodeCopyError, match="fake fault"):
+        request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None,
+                       sums=[protocol.Sum(0, 64), protocol.Sum(64, 64)])
+    assert wait_spent(copier) == 0
+
+
+def test_the_verifier_hands_files_to_the_service_and_takes_them_back(work, small_chunks,
+                                                                      monkeypatch):
+    """Delegated files are tracked, never summed in-pod; the service's verdict settles
+    them (no thread, no CUDA), and a file taken back queues every chunk that landed."""
+    from csi_pmem.loader import gpuverify
+
+    vol = sharded_bigger(work)
+    _, _, bases = file_bases(vol)
+    v, checks = service_checks(vol, bases)
+    queued: list[tuple[str, list[int]]] = []
+    monkeypatch.setattr(gpuverify.DeviceVerifier, "_run", lambda self: queued.extend(
+        (f, ready) for f, _b, _d, ready in self._queue))
+    try:
+        view = open_model(v)
+        plans = {f: c.plan for f, c in checks.items()}
+        results: list[tuple[list, BaseException | None]] = []
+        verifier = gpuverify.DeviceVerifier(view, plans, "cuda:0",
+                                            lambda bad, exc: results.append((bad, exc)))
+        (f1, c1), (f2, c2) = checks.items()
+        for f in plans:
+            verifier.delegate(f)
+        for f, tensors in view.select().items():
+            for t in tensors:
+                verifier.submit(f, None, 0, t.offset, t.offset + t.nbytes)
+        assert verifier._thread is None and not verifier._queue
+        fake_bad = [gpuverify.checksum.Mismatch(c1.plan.chunks[0], "0" * 32)]
+        verifier.settle(f1, fake_bad)
+        assert results == []
+        verifier.undelegate(f2)  # the service sent no sums for it
+        assert queued == [(f2, [c.index for c in c2.plan.chunks])]
+        verifier.settle(f2, [])  # too late: f2 is the pod's now
+        assert results == [] and f2 in verifier._left
+    finally:
+        v.close()
+
+    verifier = gpuverify.DeviceVerifier(view, plans, "cuda:0",
+                                        lambda bad, exc: results.append((bad, exc)))
+    for f in plans:
+        verifier.delegate(f)
+    verifier.settle(f1, fake_bad)
+    verifier.settle(f2, [])
+    assert results == [(fake_bad, None)]  # once, with the service's mismatches
