@@ -301,9 +301,12 @@ class CudaCopier:
         self.make_current(target.ordinal)
         stream = target.sum_stream()
         size = 16 * max(len(ranges), 1)
-        out = host = ev = None
+        # Stream-ordered device memory for the results, read back when waited for: a
+        # pinned host buffer per request would be allocated and freed with the driver's
+        # context-wide synchronisation, which held the next request's copies back (6 ms
+        # per 13 GB load on an H200).
+        out = ev = None
         try:
-            host = check(cu, cu.cuMemHostAlloc(size, 0), "allocating pinned memory")
             out = check(cu, cu.cuMemAllocAsync(size, stream), "cuMemAllocAsync")
             check(cu, cu.cuMemsetD8Async(out, 0, size, stream), "cuMemsetD8Async")
             base = target.address
@@ -319,26 +322,19 @@ class CudaCopier:
                     ((base + dst, n, int(out) + 16 * i),
                      (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p)), 0),
                     "launching the checksum kernel")
-            check(cu, cu.cuMemcpyDtoHAsync(host, out, size, stream), "cuMemcpyDtoHAsync")
-            check(cu, cu.cuMemFreeAsync(out, stream), "cuMemFreeAsync")
-            out = None
             ev = self._take_event(target.ordinal)
             check(cu, cu.cuEventRecord(ev, stream), "recording an event")
         except BaseException:
-            # The stream may still use them: wait for it before freeing (errors aside).
-            cu.cuStreamSynchronize(stream)
             if out is not None:
-                cu.cuMemFree(out)
-            if host is not None:
-                cu.cuMemFreeHost(host)
+                cu.cuMemFreeAsync(out, stream)
             if ev is not None:
                 cu.cuEventDestroy(ev)
             raise
-        return (target, ev, host, len(ranges))
+        return (target, ev, out, len(ranges))
 
     def wait_sums(self, token: Any) -> list[tuple[int, int]]:
         cu = self.cu
-        target, ev, host, count = token
+        target, ev, out, count = token
         self.make_current(target.ordinal)
         try:
             err, = cu.cuEventSynchronize(ev)
@@ -347,10 +343,12 @@ class CudaCopier:
                 check(cu, (err,), "waiting for the checksums")
             with self._lock:
                 self._events.setdefault(target.ordinal, []).append(ev)
-            words = (ctypes.c_uint64 * (2 * count)).from_address(int(host))
+            words = (ctypes.c_uint64 * (2 * max(count, 1)))()
+            check(cu, cu.cuMemcpyDtoH(ctypes.addressof(words), out, ctypes.sizeof(words)),
+                  "reading the checksums back")
             return [(int(words[2 * i]), int(words[2 * i + 1])) for i in range(count)]
         finally:
-            cu.cuMemFreeHost(host)
+            cu.cuMemFreeAsync(out, target.sum_stream())
 
     def wait(self, token: Any) -> None:
         cu = self.cu
@@ -369,11 +367,10 @@ class CudaCopier:
         faulted stream is never reused)."""
         cu = self.cu
         target, ev, *sums = token
-        if sums:  # a checksum token: its pinned result buffer must outlive the copy
+        if sums:  # a checksum token: its results' memory goes back after the kernels
             with contextlib.suppress(Exception):
                 self.make_current(target.ordinal)
-                cu.cuEventSynchronize(ev)
-                cu.cuMemFreeHost(sums[0])
+                cu.cuMemFreeAsync(sums[0], target.sum_stream())
         try:
             self.make_current(target.ordinal)
             done = int(cu.cuEventQuery(ev)[0]) == 0
