@@ -43,10 +43,6 @@ SUM_BLOCKS = 1024  # at most, per range: about 8 per SM of an H100/H200
 # CSI_PMEM_GPU_SUM_BLOCKS=N: at most N blocks per range (how hard a sum reads memory
 # while the copy engine writes it).
 SUMS_ENV, SUM_BLOCKS_ENV = "CSI_PMEM_GPU_SUMS", "CSI_PMEM_GPU_SUM_BLOCKS"
-# Device memory for the sums' results, allocated once per GPU: SUM_SLOTS requests of up
-# to SLOT_RANGES ranges each at a time (a 4 TB file in 64 MiB chunks), others allocate
-# their own, stream-ordered.
-SUM_SLOTS, SLOT_RANGES = 32, 1024
 SUM_WORDS_PER_THREAD = 8  # at least, before another block is worth launching
 
 
@@ -179,7 +175,6 @@ class CudaCopier:
         self._streams: dict[int, list[Any]] = {}
         self._events: dict[int, list[Any]] = {}
         self._kernels: dict[int, Any] = {}  # ordinal -> the wsum64 CUfunction
-        self._slots: dict[int, list[int]] = {}  # ordinal -> free result slots
         for ordinal in range(count):
             self.make_current(ordinal)
             self.give_stream(ordinal, self._new_stream())
@@ -208,11 +203,7 @@ class CudaCopier:
             self._kernels[ordinal] = check(
                 cu, cu.cuModuleGetFunction(module, wsum_ptx.KERNEL.encode()),
                 "cuModuleGetFunction")
-            base = int(check(cu, cu.cuMemAlloc(SUM_SLOTS * SLOT_RANGES * 16),
-                             "allocating the checksums' result memory"))
-            self._slots[ordinal] = [base + i * SLOT_RANGES * 16 for i in range(SUM_SLOTS)]
         except CopyError as exc:
-            self._kernels.pop(ordinal, None)
             log.warning("GPU %s: %s; pods will check their copies themselves",
                         self._uuids[ordinal], exc)
 
@@ -322,15 +313,8 @@ class CudaCopier:
         # context-wide synchronisation, which held the next request's copies back (6 ms
         # per 13 GB load on an H200).
         out = ev = None
-        slot = False
         try:
-            if len(ranges) <= SLOT_RANGES:
-                with self._lock:
-                    free = self._slots.get(target.ordinal)
-                    if free:
-                        out, slot = free.pop(), True
-            if out is None:
-                out = check(cu, cu.cuMemAllocAsync(size, stream), "cuMemAllocAsync")
+            out = check(cu, cu.cuMemAllocAsync(size, stream), "cuMemAllocAsync")
             check(cu, cu.cuMemsetD8Async(out, 0, size, stream), "cuMemsetD8Async")
             base = target.address
             for i, ((dst, n), token) in enumerate(zip(ranges, after, strict=True)):
@@ -350,24 +334,15 @@ class CudaCopier:
             check(cu, cu.cuEventRecord(ev, stream), "recording an event")
         except BaseException:
             if out is not None:
-                self._free_result(target, out, slot)
+                cu.cuMemFreeAsync(out, stream)
             if ev is not None:
                 cu.cuEventDestroy(ev)
             raise
-        return (target, ev, out, len(ranges), slot)
-
-    def _free_result(self, target: CudaTarget, out: Any, slot: bool) -> None:
-        """Give a request's result memory back, once its sum stream is past it."""
-        if slot:
-            self.cu.cuStreamSynchronize(target.sum_stream())
-            with self._lock:
-                self._slots[target.ordinal].append(int(out))
-        else:
-            self.cu.cuMemFreeAsync(out, target.sum_stream())
+        return (target, ev, out, len(ranges))
 
     def wait_sums(self, token: Any) -> list[tuple[int, int]]:
         cu = self.cu
-        target, ev, out, count, slot = token
+        target, ev, out, count = token
         self.make_current(target.ordinal)
         try:
             err, = cu.cuEventSynchronize(ev)
@@ -381,7 +356,7 @@ class CudaCopier:
                   "reading the checksums back")
             return [(int(words[2 * i]), int(words[2 * i + 1])) for i in range(count)]
         finally:
-            self._free_result(target, out, slot)
+            cu.cuMemFreeAsync(out, target.sum_stream())
 
     def wait(self, token: Any) -> None:
         cu = self.cu
@@ -403,7 +378,7 @@ class CudaCopier:
         if sums:  # a checksum token: its results' memory goes back after the kernels
             with contextlib.suppress(Exception):
                 self.make_current(target.ordinal)
-                self._free_result(target, sums[0], sums[2])
+                cu.cuMemFreeAsync(sums[0], target.sum_stream())
         try:
             self.make_current(target.ordinal)
             done = int(cu.cuEventQuery(ev)[0]) == 0

@@ -910,23 +910,15 @@ class GpuLoader:
                 # process makes the tensor views (no progress is read before every
                 # request is sent, so no tensor is reported before it has its view).
                 check = None
-                if verifier is not None and target.name in verifier.plans and (
-                        session.gpus is None or protocol.FEATURE_SUMS in session.features):
+                if verifier is not None and target.name in verifier.plans:
                     check = gpuverify.service_check(view, verifier.plans[target.name],
                                                     target.first_dst)
+                    if check is not None:
+                        verifier.delegate(target.name)
                 checks.append(check)
                 yield fds[-1], protocol.CopyRequest(alloc.uuid, alloc.size, tuple(
                     protocol.Copy(c.pieces[0].src, c.dst, c.nbytes) for c in by_target[i]),
                     tuple(protocol.Sum(*r) for r in check.ranges) if check else ())
-                # The hello has been read by now (after the first request): only a
-                # service that sums gets the file's check; another one's reply will
-                # have no sums, and the pod checks the file as it lands.
-                if check is not None:
-                    assert verifier is not None
-                    if protocol.FEATURE_SUMS in session.features:
-                        verifier.delegate(target.name)
-                    else:
-                        checks[-1] = None
                 t = time.monotonic()
                 # Sent: the message holds the allocation now. Closed here, while the
                 # copies run: closing the three fds after the last copy took 1.2-1.5 ms

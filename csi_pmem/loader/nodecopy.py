@@ -76,7 +76,6 @@ class Session:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.gpus: list[str] | None = None  # known once the hello is read
-        self.features: list[str] = []  # from the hello: "wsum64" when it sums
         self.registered_bytes = 0
         try:
             self.sock.settimeout(timeout)
@@ -99,7 +98,6 @@ class Session:
             if hello.get("service") != protocol.SERVICE:
                 raise NodeCopyError(f"{self.path} is not a csi-pmem GPU copy service")
             self.gpus = list(hello.get("gpus") or [])
-            self.features = [str(f) for f in hello.get("features") or []]
             self.registered_bytes = int(hello.get("registered_bytes") or 0)
         return self.gpus
 
