@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -39,10 +38,6 @@ log = logging.getLogger(__name__)
 
 EVENTS_AHEAD = 512  # per GPU: a 15 GB model is about 230 copies of 64 MiB
 SUM_BLOCKS = 1024  # at most, per range: about 8 per SM of an H100/H200
-# CSI_PMEM_GPU_SUMS=off: no checksums here (pods check their copies themselves);
-# CSI_PMEM_GPU_SUM_BLOCKS=N: at most N blocks per range (how hard a sum reads memory
-# while the copy engine writes it).
-SUMS_ENV, SUM_BLOCKS_ENV = "CSI_PMEM_GPU_SUMS", "CSI_PMEM_GPU_SUM_BLOCKS"
 SUM_WORDS_PER_THREAD = 8  # at least, before another block is worth launching
 
 
@@ -180,9 +175,7 @@ class CudaCopier:
             self.give_stream(ordinal, self._new_stream())
             self.give_stream(ordinal, self._new_stream())
             self._events[ordinal] = [self._new_event() for _ in range(EVENTS_AHEAD)]
-            if os.environ.get(SUMS_ENV) != "off":
-                self._load_kernel(ordinal)
-        self.sum_blocks = int(os.environ.get(SUM_BLOCKS_ENV) or SUM_BLOCKS)
+            self._load_kernel(ordinal)
         # Registrations are portable: made once, under the first GPU's context.
         if count:
             self.make_current(0)
@@ -323,8 +316,7 @@ class CudaCopier:
                 if n == 0:
                     continue
                 words = -(-n // 8)
-                grid = max(1, min(self.sum_blocks,
-                                  words // (wsum_ptx.BLOCK * SUM_WORDS_PER_THREAD)))
+                grid = max(1, min(SUM_BLOCKS, words // (wsum_ptx.BLOCK * SUM_WORDS_PER_THREAD)))
                 check(cu, cu.cuLaunchKernel(
                     kernel, grid, 1, 1, wsum_ptx.BLOCK, 1, 1, 0, stream,
                     ((base + dst, n, int(out) + 16 * i),
