@@ -6,8 +6,6 @@ on the GPU host: ``python -m pytest -q tests/test_loader_torch.py``.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 from csi_pmem.loader import ChecksumError, load_safetensors, open_volume, stage, start_load
@@ -392,39 +390,25 @@ def test_a_corrupt_byte_fails_a_node_copied_load(models, tmp_path):
         load_safetensors(directory, "cuda:0")
 
 
-@contextlib.contextmanager
-def cuda_target(size: int):
-    """The CUDA copier, a target it opened on an exportable allocation of ``size``
-    bytes on GPU 0, and that allocation; all closed after."""
+@node_copy
+def test_the_cuda_copier_takes_back_discarded_events():
+    """A token discarded instead of waited for (the copies behind a failed one) gives
+    its event back to the pool once its copy completed; none is lost either way."""
+    import ctypes
     import os
 
     from csi_pmem.gpucopy.cuda import CudaCopier
     from csi_pmem.loader.nodecopy import ExportableAllocation
 
     copier = CudaCopier()
-    alloc = ExportableAllocation(0, size)
-    try:
-        fd = alloc.export_fd()
-        try:
-            target = copier.open_target(fd, alloc.size, alloc.uuid)
-        finally:
-            os.close(fd)
-        try:
-            yield copier, target, alloc
-        finally:
-            target.close()
-    finally:
-        alloc.free()
-
-
-@node_copy
-def test_the_cuda_copier_takes_back_discarded_events():
-    """A token discarded instead of waited for (the copies behind a failed one) gives
-    its event back to the pool once its copy completed; none is lost either way."""
-    import ctypes
-
+    alloc = ExportableAllocation(0, 4 << 20)
     host = ctypes.create_string_buffer(1 << 20)
-    with cuda_target(4 << 20) as (copier, target, _alloc):
+    fd = alloc.export_fd()
+    try:
+        target = copier.open_target(fd, alloc.size, alloc.uuid)
+    finally:
+        os.close(fd)
+    try:
         pool = len(copier._events[target.ordinal])
         tokens = copier.enqueue(target, [(ctypes.addressof(host), i << 20, 1 << 20)
                                          for i in range(4)])
@@ -435,6 +419,9 @@ def test_the_cuda_copier_takes_back_discarded_events():
         for token in tokens[1:]:
             copier.discard(token)  # completed by now: back to the pool
         assert len(copier._events[target.ordinal]) == pool
+    finally:
+        target.close()
+        alloc.free()
 
 
 @node_copy
@@ -443,16 +430,26 @@ def test_the_cuda_copier_sums_like_the_cpu():
     of odd lengths (a zero-padded last word), empty and single-word ones, ranges after
     a copy's event and ranges no copy writes."""
     import ctypes
+    import os
 
     import numpy as np
 
+    from csi_pmem.gpucopy.cuda import CudaCopier
     from csi_pmem.loader import wsum
+    from csi_pmem.loader.nodecopy import ExportableAllocation
 
+    copier = CudaCopier()
+    assert copier.can_sum
     size = 48 << 20
+    alloc = ExportableAllocation(0, size)
     data = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
     host = ctypes.create_string_buffer(data.tobytes(), size)
-    with cuda_target(size) as (copier, target, alloc):
-        assert copier.can_sum
+    fd = alloc.export_fd()
+    try:
+        target = copier.open_target(fd, alloc.size, alloc.uuid)
+    finally:
+        os.close(fd)
+    try:
         half = size // 2
         # The first half arrives by the copier; the second is written by torch first.
         device = torch.as_tensor(alloc, device="cuda:0")
@@ -471,7 +468,10 @@ def test_the_cuda_copier_sums_like_the_cpu():
         got = copier.wait_sums(sums)
         want = [wsum.cpu_sums(memoryview(data)[dst:dst + n]) for dst, n in ranges]
         assert got == want
+    finally:
         del device
+        target.close()
+        alloc.free()
 
 
 @node_copy
