@@ -301,12 +301,9 @@ class CudaCopier:
         self.make_current(target.ordinal)
         stream = target.sum_stream()
         size = 16 * max(len(ranges), 1)
-        # Stream-ordered device memory for the results, read back when waited for: a
-        # pinned host buffer per request would be allocated and freed with the driver's
-        # context-wide synchronisation, which held the next request's copies back (6 ms
-        # per 13 GB load on an H200).
-        out = ev = None
+        out = host = ev = None
         try:
+            host = check(cu, cu.cuMemHostAlloc(size, 0), "allocating pinned memory")
             out = check(cu, cu.cuMemAllocAsync(size, stream), "cuMemAllocAsync")
             check(cu, cu.cuMemsetD8Async(out, 0, size, stream), "cuMemsetD8Async")
             base = target.address
@@ -322,19 +319,26 @@ class CudaCopier:
                     ((base + dst, n, int(out) + 16 * i),
                      (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p)), 0),
                     "launching the checksum kernel")
+            check(cu, cu.cuMemcpyDtoHAsync(host, out, size, stream), "cuMemcpyDtoHAsync")
+            check(cu, cu.cuMemFreeAsync(out, stream), "cuMemFreeAsync")
+            out = None
             ev = self._take_event(target.ordinal)
             check(cu, cu.cuEventRecord(ev, stream), "recording an event")
         except BaseException:
+            # The stream may still use them: wait for it before freeing (errors aside).
+            cu.cuStreamSynchronize(stream)
             if out is not None:
-                cu.cuMemFreeAsync(out, stream)
+                cu.cuMemFree(out)
+            if host is not None:
+                cu.cuMemFreeHost(host)
             if ev is not None:
                 cu.cuEventDestroy(ev)
             raise
-        return (target, ev, out, len(ranges))
+        return (target, ev, host, len(ranges))
 
     def wait_sums(self, token: Any) -> list[tuple[int, int]]:
         cu = self.cu
-        target, ev, out, count = token
+        target, ev, host, count = token
         self.make_current(target.ordinal)
         try:
             err, = cu.cuEventSynchronize(ev)
@@ -343,12 +347,10 @@ class CudaCopier:
                 check(cu, (err,), "waiting for the checksums")
             with self._lock:
                 self._events.setdefault(target.ordinal, []).append(ev)
-            words = (ctypes.c_uint64 * (2 * max(count, 1)))()
-            check(cu, cu.cuMemcpyDtoH(ctypes.addressof(words), out, ctypes.sizeof(words)),
-                  "reading the checksums back")
+            words = (ctypes.c_uint64 * (2 * count)).from_address(int(host))
             return [(int(words[2 * i]), int(words[2 * i + 1])) for i in range(count)]
         finally:
-            cu.cuMemFreeAsync(out, target.sum_stream())
+            cu.cuMemFreeHost(host)
 
     def wait(self, token: Any) -> None:
         cu = self.cu
@@ -367,10 +369,11 @@ class CudaCopier:
         faulted stream is never reused)."""
         cu = self.cu
         target, ev, *sums = token
-        if sums:  # a checksum token: its results' memory goes back after the kernels
+        if sums:  # a checksum token: its pinned result buffer must outlive the copy
             with contextlib.suppress(Exception):
                 self.make_current(target.ordinal)
-                cu.cuMemFreeAsync(sums[0], target.sum_stream())
+                cu.cuEventSynchronize(ev)
+                cu.cuMemFreeHost(sums[0])
         try:
             self.make_current(target.ordinal)
             done = int(cu.cuEventQuery(ev)[0]) == 0
