@@ -425,56 +425,6 @@ def test_the_cuda_copier_takes_back_discarded_events():
 
 
 @node_copy
-def test_the_cuda_copier_sums_like_the_cpu():
-    """The service's checksum kernel against wsum's CPU definition: random bytes, ranges
-    of odd lengths (a zero-padded last word), empty and single-word ones, ranges after
-    a copy's event and ranges no copy writes."""
-    import ctypes
-    import os
-
-    import numpy as np
-
-    from csi_pmem.gpucopy.cuda import CudaCopier
-    from csi_pmem.loader import wsum
-    from csi_pmem.loader.nodecopy import ExportableAllocation
-
-    copier = CudaCopier()
-    assert copier.can_sum
-    size = 48 << 20
-    alloc = ExportableAllocation(0, size)
-    data = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
-    host = ctypes.create_string_buffer(data.tobytes(), size)
-    fd = alloc.export_fd()
-    try:
-        target = copier.open_target(fd, alloc.size, alloc.uuid)
-    finally:
-        os.close(fd)
-    try:
-        half = size // 2
-        # The first half arrives by the copier; the second is written by torch first.
-        device = torch.as_tensor(alloc, device="cuda:0")
-        device[half:size].copy_(torch.from_numpy(data[half:]).to("cuda:0"))
-        torch.cuda.synchronize()
-        tokens = copier.enqueue(target, [(ctypes.addressof(host), 0, half // 2),
-                                         (ctypes.addressof(host) + half // 2, half // 2,
-                                          half // 2)])
-        ranges = [(0, 8), (8, 0), (16, 13), (32, (16 << 20) + 5), (half - 8, (4 << 20) + 8),
-                  (40 << 20, 1000), (size - (1 << 20) - 8, (1 << 20) + 3)]
-        after = [tokens[0] if dst + n <= half // 2 else tokens[1] if dst < half else None
-                 for dst, n in ranges]
-        sums = copier.enqueue_sums(target, ranges, after)
-        for token in tokens:
-            copier.wait(token)
-        got = copier.wait_sums(sums)
-        want = [wsum.cpu_sums(memoryview(data)[dst:dst + n]) for dst, n in ranges]
-        assert got == want
-    finally:
-        del device
-        target.close()
-        alloc.free()
-
-
-@node_copy
 def test_without_the_service_the_load_falls_back_once(models, tmp_path, caplog):
     import os
 

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 HostCopy = tuple[int, int, int]  # (host address, offset in the target, bytes)
-SumRange = tuple[int, int]  # (offset in the target, bytes): its wsum64 is wanted
 
 
 class CopyError(Exception):
@@ -62,21 +61,6 @@ class Copier(Protocol):
         pod went away): whatever it holds goes back or is freed. Its copy may still
         run; closing its target waits for that. Never raises."""
 
-    @property
-    def can_sum(self) -> bool:
-        """Whether :meth:`enqueue_sums` works (the CUDA copier: its kernel loaded)."""
-
-    def enqueue_sums(self, target: Target, ranges: Sequence[SumRange],
-                     after: Sequence[Any]) -> Any:
-        """Queue the ``wsum64`` of each range of ``target``, each once the copy of the
-        token ``after[i]`` (one :meth:`enqueue` returned and nobody waited for yet; None:
-        no copy writes it) has landed. Returns a token for :meth:`wait_sums` or
-        :meth:`discard`. Raises CopyError."""
-
-    def wait_sums(self, token: Any) -> list[tuple[int, int]]:
-        """Block until the sums of ``token`` are computed; (s1, s2) per range. Raises
-        CopyError. The token is spent either way."""
-
 
 FAKE_GPU = "GPU-00000000-0000-0000-0000-00000000fa4e"
 
@@ -100,17 +84,14 @@ class FakeCopier:
     """memcpy into a memfd "allocation"; ``delay`` seconds per copy (for timeout and
     kill-mid-copy tests); ``fail_at``: the copy (counted from 1 over the copier's life)
     whose wait fails, as a faulted copy engine's would. ``outstanding`` counts tokens
-    not yet spent by :meth:`wait`, :meth:`wait_sums` or :meth:`discard` (the CUDA
-    copier's are events, so one left over is a leak). Sums are computed on the CPU over
-    the "allocation" when waited for, after every copy queued before them;
-    ``sums=False`` is a copier without the kernel (an older service)."""
+    not yet spent by :meth:`wait` or :meth:`discard` (the CUDA copier's are events, so
+    one left over is a leak)."""
 
     name = "fake"
 
-    def __init__(self, delay: float = 0.0, fail_at: int | None = None, sums: bool = True):
+    def __init__(self, delay: float = 0.0, fail_at: int | None = None):
         self.delay = delay
         self.fail_at = fail_at
-        self.sums = sums
         self.registered: dict[int, int] = {}
         self.outstanding = 0
         self._waited = 0
@@ -168,31 +149,3 @@ class FakeCopier:
     def discard(self, token: Any) -> None:
         with self._lock:
             self.outstanding -= 1
-
-    @property
-    def can_sum(self) -> bool:
-        return self.sums
-
-    def enqueue_sums(self, target: Target, ranges: Sequence[SumRange],
-                     after: Sequence[Any]) -> Any:
-        assert isinstance(target, FakeTarget), "a target of another copier"
-        if not self.sums:
-            raise CopyError("this copier cannot compute checksums")
-        for i, (dst, n) in enumerate(ranges):
-            if dst % 8 or dst + n > target.size:
-                raise CopyError(f"sum #{i} is outside the allocation or unaligned")
-        with self._lock:
-            self.outstanding += 1
-        return (target, list(ranges))
-
-    def wait_sums(self, token: Any) -> list[tuple[int, int]]:
-        from csi_pmem.loader import wsum
-
-        target, ranges = token
-        with self._lock:
-            self.outstanding -= 1
-        view = memoryview(target.mapping)
-        try:
-            return [wsum.cpu_sums(view[dst:dst + n]) for dst, n in ranges]
-        finally:
-            view.release()

@@ -13,32 +13,21 @@ as requests arrive, so the next allocation's copies line up behind the current o
 The GPU a copy goes to is the one the allocation lives on
 (``cuMemGetAllocationPropertiesFromHandle``), checked against the UUID the pod named:
 device ordinals differ between processes (CUDA_VISIBLE_DEVICES), UUIDs do not.
-
-Checksums (``enqueue_sums``): the ``wsum64`` kernel (:mod:`.wsum_ptx`, loaded per GPU
-when the service starts) runs on a second stream of the target, each range after the
-event of the last copy that writes it, so sums run beside the copies still queued and
-only the last range's sum follows the last copy. Why here and not in the pod: the pod
-would load its reduction kernels, launch them from Python and read every result back
-while its own load is finishing; the service does that once per GPU, ahead of time,
-and answers with the sums in its final reply.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-from csi_pmem.gpucopy.copier import CopyError, HostCopy, SumRange, Target
+from csi_pmem.gpucopy.copier import CopyError, HostCopy, Target
 
 log = logging.getLogger(__name__)
 
 EVENTS_AHEAD = 512  # per GPU: a 15 GB model is about 230 copies of 64 MiB
-SUM_BLOCKS = 1024  # at most, per range: about 8 per SM of an H100/H200
-SUM_WORDS_PER_THREAD = 8  # at least, before another block is worth launching
 
 
 def driver() -> Any:
@@ -83,7 +72,6 @@ class CudaTarget:
             fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
             "importing the allocation (cuMemImportFromShareableHandle)")
         self.ptr = None
-        self._sum_stream: Any = None
         try:
             prop = check(cu, cu.cuMemGetAllocationPropertiesFromHandle(self.handle),
                          "reading the allocation's properties")
@@ -125,24 +113,15 @@ class CudaTarget:
             self._stream = self._copier.take_stream(self.ordinal)
         return self._stream
 
-    def sum_stream(self) -> Any:
-        """The stream this target's checksums run on, beside its copies."""
-        if self._sum_stream is None:
-            self._sum_stream = self._copier.take_stream(self.ordinal)
-        return self._sum_stream
-
     def close(self) -> None:
         cu = self._cu
-        for attr in ("_stream", "_sum_stream"):
-            stream = getattr(self, attr)
-            if stream is None:
-                continue
-            # Nothing may still write or read the memory once it is unmapped.
-            if int(cu.cuStreamSynchronize(stream)[0]) == 0:
-                self._copier.give_stream(self.ordinal, stream)
+        if self._stream is not None:
+            # Nothing may still write the memory once it is unmapped.
+            if int(cu.cuStreamSynchronize(self._stream)[0]) == 0:
+                self._copier.give_stream(self.ordinal, self._stream)
             else:  # a faulted stream is not handed to the next pod
-                cu.cuStreamDestroy(stream)
-            setattr(self, attr, None)
+                cu.cuStreamDestroy(self._stream)
+            self._stream = None
         if self.ptr is not None:
             cu.cuMemUnmap(self.ptr, self.size)
             cu.cuMemAddressFree(self.ptr, self.size)
@@ -169,13 +148,10 @@ class CudaCopier:
         # per copy on the way to its first byte.
         self._streams: dict[int, list[Any]] = {}
         self._events: dict[int, list[Any]] = {}
-        self._kernels: dict[int, Any] = {}  # ordinal -> the wsum64 CUfunction
         for ordinal in range(count):
             self.make_current(ordinal)
             self.give_stream(ordinal, self._new_stream())
-            self.give_stream(ordinal, self._new_stream())
             self._events[ordinal] = [self._new_event() for _ in range(EVENTS_AHEAD)]
-            self._load_kernel(ordinal)
         # Registrations are portable: made once, under the first GPU's context.
         if count:
             self.make_current(0)
@@ -183,26 +159,6 @@ class CudaCopier:
 
     def gpus(self) -> list[str]:
         return list(self._uuids)
-
-    def _load_kernel(self, ordinal: int) -> None:
-        """Load the checksum kernel into GPU ``ordinal``'s context (current); without
-        it, pods check their copies themselves."""
-        from csi_pmem.gpucopy import wsum_ptx
-
-        cu = self.cu
-        try:
-            module = check(cu, cu.cuModuleLoadData(wsum_ptx.PTX.encode() + b"\0"),
-                           "loading the checksum kernel (cuModuleLoadData)")
-            self._kernels[ordinal] = check(
-                cu, cu.cuModuleGetFunction(module, wsum_ptx.KERNEL.encode()),
-                "cuModuleGetFunction")
-        except CopyError as exc:
-            log.warning("GPU %s: %s; pods will check their copies themselves",
-                        self._uuids[ordinal], exc)
-
-    @property
-    def can_sum(self) -> bool:
-        return len(self._kernels) == len(self._uuids) > 0
 
     def _new_stream(self) -> Any:
         cu = self.cu
@@ -289,69 +245,6 @@ class CudaCopier:
             raise
         return tokens
 
-    def enqueue_sums(self, target: Target, ranges: Sequence[SumRange],
-                     after: Sequence[Any]) -> Any:
-        from csi_pmem.gpucopy import wsum_ptx
-
-        assert isinstance(target, CudaTarget), "a target of another copier"
-        cu = self.cu
-        kernel = self._kernels.get(target.ordinal)
-        if kernel is None:
-            raise CopyError("the checksum kernel is not loaded on this GPU")
-        self.make_current(target.ordinal)
-        stream = target.sum_stream()
-        size = 16 * max(len(ranges), 1)
-        out = host = ev = None
-        try:
-            host = check(cu, cu.cuMemHostAlloc(size, 0), "allocating pinned memory")
-            out = check(cu, cu.cuMemAllocAsync(size, stream), "cuMemAllocAsync")
-            check(cu, cu.cuMemsetD8Async(out, 0, size, stream), "cuMemsetD8Async")
-            base = target.address
-            for i, ((dst, n), token) in enumerate(zip(ranges, after, strict=True)):
-                if token is not None:
-                    check(cu, cu.cuStreamWaitEvent(stream, token[1], 0), "cuStreamWaitEvent")
-                if n == 0:
-                    continue
-                words = -(-n // 8)
-                grid = max(1, min(SUM_BLOCKS, words // (wsum_ptx.BLOCK * SUM_WORDS_PER_THREAD)))
-                check(cu, cu.cuLaunchKernel(
-                    kernel, grid, 1, 1, wsum_ptx.BLOCK, 1, 1, 0, stream,
-                    ((base + dst, n, int(out) + 16 * i),
-                     (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p)), 0),
-                    "launching the checksum kernel")
-            check(cu, cu.cuMemcpyDtoHAsync(host, out, size, stream), "cuMemcpyDtoHAsync")
-            check(cu, cu.cuMemFreeAsync(out, stream), "cuMemFreeAsync")
-            out = None
-            ev = self._take_event(target.ordinal)
-            check(cu, cu.cuEventRecord(ev, stream), "recording an event")
-        except BaseException:
-            # The stream may still use them: wait for it before freeing (errors aside).
-            cu.cuStreamSynchronize(stream)
-            if out is not None:
-                cu.cuMemFree(out)
-            if host is not None:
-                cu.cuMemFreeHost(host)
-            if ev is not None:
-                cu.cuEventDestroy(ev)
-            raise
-        return (target, ev, host, len(ranges))
-
-    def wait_sums(self, token: Any) -> list[tuple[int, int]]:
-        cu = self.cu
-        target, ev, host, count = token
-        self.make_current(target.ordinal)
-        try:
-            err, = cu.cuEventSynchronize(ev)
-            if int(err) != 0:
-                cu.cuEventDestroy(ev)
-                check(cu, (err,), "waiting for the checksums")
-            with self._lock:
-                self._events.setdefault(target.ordinal, []).append(ev)
-            words = (ctypes.c_uint64 * (2 * count)).from_address(int(host))
-            return [(int(words[2 * i]), int(words[2 * i + 1])) for i in range(count)]
-        finally:
-            cu.cuMemFreeHost(host)
-
     def wait(self, token: Any) -> None:
         cu = self.cu
         target, ev = token
@@ -368,12 +261,7 @@ class CudaCopier:
         destroyed (the driver frees a pending event once it completes; one of a
         faulted stream is never reused)."""
         cu = self.cu
-        target, ev, *sums = token
-        if sums:  # a checksum token: its pinned result buffer must outlive the copy
-            with contextlib.suppress(Exception):
-                self.make_current(target.ordinal)
-                cu.cuEventSynchronize(ev)
-                cu.cuMemFreeHost(sums[0])
+        target, ev = token
         try:
             self.make_current(target.ordinal)
             done = int(cu.cuEventQuery(ev)[0]) == 0

@@ -16,24 +16,16 @@ Two conversations:
   its sending side; the service answers
   ``{"done": k}`` lines as the first k copies (counted over all requests, in order)
   have landed, then ``{"ok": true, ...}`` or ``{"error": ...}``.
-
-A request may name ``sums``: ``[dst, nbytes]`` ranges of its allocation whose ``wsum64``
-(:mod:`csi_pmem.loader.wsum`) the service computes on the device once the copies that
-write them have landed. The final ``ok`` then carries ``"sums"``: per request, in order,
-the 32-hex-digit sums of its ranges. A service that cannot compute them (an older one,
-or a GPU that refused the kernel) leaves ``"sums"`` out, and the pod checks the bytes
-itself; ``hello`` lists ``"wsum64"`` in ``features`` when it can.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
-import heapq
 import json
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +34,6 @@ SERVICE = "csi-pmem-gpu-copy"
 SOCKET_NAME = "gpu.sock"  # next to dax.sock in a published devdax volume
 MAX_LINE = 8 << 20  # a copy list of 100k entries fits
 MAX_FDS = 4
-MAX_SUMS = 1 << 16  # ranges per request: a 4 TB file in 64 MiB chunks
-FEATURE_SUMS = "wsum64"
 
 OP_PREPARE = "prepare"
 OP_RELEASE = "release"
@@ -65,31 +55,18 @@ class Copy:
 
 
 @dataclass(frozen=True)
-class Sum:
-    """The ``wsum64`` of allocation bytes ``[dst, dst + nbytes)``, as if they started a
-    chunk; ``dst`` is a multiple of 8."""
-
-    dst: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class CopyRequest:
     gpu: str
     size: int
     copies: tuple[Copy, ...]
-    sums: tuple[Sum, ...] = ()
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.copies)
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"op": OP_COPY, "gpu": self.gpu, "size": self.size,
-                               "copies": [[c.src, c.dst, c.nbytes] for c in self.copies]}
-        if self.sums:
-            doc["sums"] = [[s.dst, s.nbytes] for s in self.sums]
-        return doc
+        return {"op": OP_COPY, "gpu": self.gpu, "size": self.size,
+                "copies": [[c.src, c.dst, c.nbytes] for c in self.copies]}
 
 
 def _uint(value: Any) -> bool:
@@ -124,57 +101,7 @@ def parse_copy_request(doc: Any, volume_size: int) -> CopyRequest:
             raise ProtocolError(f"copy #{i} writes [{dst}, {dst + n}), outside the "
                                 f"allocation of {size} bytes")
         out.append(Copy(src, dst, n))
-    return CopyRequest(gpu, size, tuple(out), parse_sums(doc.get("sums", []), size))
-
-
-def parse_sums(sums: Any, size: int) -> tuple[Sum, ...]:
-    """The ranges a request wants summed: inside the allocation, on 8-byte boundaries,
-    sorted and disjoint (checksum chunks are)."""
-    if not isinstance(sums, list):
-        raise ProtocolError("the copy request's sums are not a list of [dst, nbytes]")
-    if len(sums) > MAX_SUMS:
-        raise ProtocolError(f"the copy request asks for {len(sums)} sums, more than "
-                            f"{MAX_SUMS}")
-    out: list[Sum] = []
-    for i, entry in enumerate(sums):
-        if not (isinstance(entry, list) and len(entry) == 2 and all(map(_uint, entry))):
-            raise ProtocolError(f"sum #{i} is not [dst, nbytes] of non-negative integers")
-        dst, n = entry
-        if out and dst < out[-1].dst + out[-1].nbytes:
-            raise ProtocolError(f"sum #{i} starts at {dst}, before the end of sum #{i - 1}: "
-                                "ranges must be sorted and disjoint")
-        if dst % 8:
-            raise ProtocolError(f"sum #{i} starts at {dst}, not on an 8-byte boundary")
-        if dst + n > size:
-            raise ProtocolError(f"sum #{i} reads [{dst}, {dst + n}), outside the "
-                                f"allocation of {size} bytes")
-        out.append(Sum(dst, n))
-    return tuple(out)
-
-
-def last_writers(copies: Sequence[Copy], sums: Sequence[Sum]) -> list[int | None]:
-    """For each range of ``sums``, the index of the last copy in ``copies`` that writes
-    any of its bytes (None: no copy does), i.e. the copy after which it can be summed.
-
-    The ranges are sorted and disjoint (:func:`parse_sums` refuses others), so a heap
-    of the copies begun before a range's end, whose tops that end before its start are
-    dropped for good, answers all of them in O((copies + sums) log copies).
-    """
-    by_start = sorted(range(len(copies)), key=lambda i: copies[i].dst)
-    out: list[int | None] = []
-    heap: list[tuple[int, int]] = []  # (-index, end)
-    k = 0
-    for s in sums:
-        start, end = s.dst, s.dst + s.nbytes
-        while k < len(by_start) and copies[by_start[k]].dst < end:
-            c = copies[by_start[k]]
-            if c.nbytes:
-                heapq.heappush(heap, (-by_start[k], c.dst + c.nbytes))
-            k += 1
-        while heap and heap[0][1] <= start:
-            heapq.heappop(heap)
-        out.append(-heap[0][0] if heap else None)
-    return out
+    return CopyRequest(gpu, size, tuple(out))
 
 
 def encode(doc: dict[str, Any]) -> bytes:

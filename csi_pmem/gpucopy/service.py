@@ -36,7 +36,6 @@ from typing import Any
 
 from csi_pmem.gpucopy import protocol
 from csi_pmem.gpucopy.copier import Copier, CopyError, HostCopy
-from csi_pmem.loader import wsum
 from csi_pmem.loader.errors import LoaderError
 from csi_pmem.loader.layout import index_heads, read_index
 from csi_pmem.loader.volume import Volume, buffer_address
@@ -295,15 +294,6 @@ class CopyService:
 
     # -- one pod ----------------------------------------------------------------------
 
-    def _enqueue_sums(self, target: Any, request: protocol.CopyRequest,
-                      queued: list[Any]) -> Any:
-        """Queue the request's checksums, each after the last of its copies that writes
-        the range (so they run beside the copies still to come)."""
-        after = [None if i is None else queued[i]
-                 for i in protocol.last_writers(request.copies, request.sums)]
-        return self.copier.enqueue_sums(target, [(s.dst, s.nbytes) for s in request.sums],
-                                        after)
-
     def _client(self, state: VolumeState, sock: socket.socket) -> None:
         """One pod: hello, then copy requests until it shuts its side down.
 
@@ -311,8 +301,7 @@ class CopyService:
         it arrives, behind the previous request's, so a pod can send its first, small
         allocation at once and allocate the rest while the copy engine works. A waiter
         thread reports ``{"done": k}`` (k counts copies over all requests, in order);
-        ``{"ok": true, ...}`` follows the last one, with every request's checksums when
-        it asked for some and this copier can compute them.
+        ``{"ok": true, ...}`` follows the last one.
         """
         reader = protocol.Reader(sock)
         send_lock = threading.Lock()
@@ -321,23 +310,17 @@ class CopyService:
         failure: list[BaseException] = []
         targets: list[Any] = []
         total = requests = 0
-        sums: list[list[str]] = []  # per request: its ranges' wsum64, once computed
-        summing = self.copier.can_sum
 
         def send(doc: dict[str, Any]) -> None:
             with send_lock:
                 protocol.send(sock, doc)
 
         def waiter() -> None:
-            while (item := tokens.get()) is not None:
-                index, token = item
+            while (token := tokens.get()) is not None:
                 if failure:  # never waited for: its event goes back or is freed
                     self.copier.discard(token)
                     continue
                 try:
-                    if index is not None:  # a request's checksums
-                        sums[index] = [wsum.fmt(*p) for p in self.copier.wait_sums(token)]
-                        continue
                     self.copier.wait(token)
                 except CopyError as exc:
                     failure.append(exc)
@@ -357,8 +340,7 @@ class CopyService:
             sock.settimeout(self.client_timeout)
             send({"service": protocol.SERVICE, "protocol": protocol.PROTOCOL,
                   "volume_id": state.id, "gpus": self.copier.gpus(),
-                  "registered_bytes": state.registered_bytes,
-                  "features": [protocol.FEATURE_SUMS] if summing else []})
+                  "registered_bytes": state.registered_bytes})
             with state.in_use():
                 wait_thread.start()
                 while not failure and (doc := reader.read()) is not None:
@@ -376,25 +358,12 @@ class CopyService:
                         target = self.copier.open_target(fds[0], request.size, request.gpu)
                         targets.append(target)
                         opened = time.monotonic()
-                        queued = self.copier.enqueue(target, state.host_copies(request))
-                        checks = None
-                        sums.append([])
-                        if request.sums and summing:
-                            try:
-                                checks = self._enqueue_sums(target, request, queued)
-                            except BaseException:
-                                for token in queued:  # spent here: never queued
-                                    self.copier.discard(token)
-                                raise
-                        for token in queued:
-                            tokens.put((None, token))
-                        if checks is not None:
-                            tokens.put((requests, checks))
+                        for token in self.copier.enqueue(target, state.host_copies(request)):
+                            tokens.put(token)
                         log.debug("request %d: at %.1f ms, target opened in %.1f ms, %d "
-                                  "copies and %d sums queued in %.1f ms", requests,
+                                  "copies queued in %.1f ms", requests,
                                   (arrived - accepted) * 1e3, (opened - arrived) * 1e3,
-                                  len(request.copies), len(request.sums) if checks else 0,
-                                  (time.monotonic() - opened) * 1e3)
+                                  len(request.copies), (time.monotonic() - opened) * 1e3)
                     finally:
                         for fd in fds:
                             os.close(fd)
@@ -405,12 +374,8 @@ class CopyService:
                 if failure:
                     raise failure[0]
             seconds = time.monotonic() - started
-            reply: dict[str, Any] = {"ok": True, "bytes": total, "requests": requests,
-                                     "seconds": seconds,
-                                     "registered_bytes": state.registered_bytes}
-            if summing:
-                reply["sums"] = sums
-            send(reply)
+            send({"ok": True, "bytes": total, "requests": requests, "seconds": seconds,
+                  "registered_bytes": state.registered_bytes})
             self.served += 1
             log.info("volume %s: copied %.2f GB in %d request(s) in %.3f s (%.1f GB/s)",
                      state.id, total / 1e9, requests, seconds,

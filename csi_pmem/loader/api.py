@@ -213,7 +213,6 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
     if owned:
         _close_when_done(handle, gpu)
     on_data = None
-    verifier: gpuverify.DeviceVerifier | None = None
     if verify:
         t_plan = time.monotonic()
         plans = {}
@@ -262,8 +261,7 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
 
     def run() -> None:
         try:
-            path = gpu.load(view, selection, handle._tensor, handle._file, on_data,
-                            verifier=verifier)
+            path = gpu.load(view, selection, handle._tensor, handle._file, on_data)
             handle._finish(path)
             log.info("loaded %d tensors (%.2f GB) to %s in %.3f s (%.1f GB/s, %s path)",
                      len(handle.tensors), handle.nbytes / 1e9, device, handle.seconds,

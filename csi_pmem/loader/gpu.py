@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 from csi_pmem.gpucopy import protocol
 from csi_pmem.gpucopy.copier import CopyError
-from csi_pmem.loader import gpuverify, native, nodecopy, streams
+from csi_pmem.loader import native, nodecopy, streams
 from csi_pmem.loader import plan as planning
 from csi_pmem.loader.cpu import torch_dtype
 from csi_pmem.loader.errors import LoaderError
@@ -759,11 +759,9 @@ class GpuLoader:
 
     def load(self, view: ModelView, selection: dict[str, list[TensorInfo]],
              on_tensor: TensorDone, on_file: FileDone,
-             on_data: FileData | None = None,
-             verifier: gpuverify.DeviceVerifier | None = None) -> str:
+             on_data: FileData | None = None) -> str:
         """Copy ``selection`` to the device; callbacks fire as tensors and files land
-        (``on_data`` right after each ``on_tensor``). ``verifier`` (the one ``on_data``
-        feeds): files the node's copy service can check are handed to it.
+        (``on_data`` right after each ``on_tensor``).
 
         Returns the path used: ``"node"``, ``"bounce"``, ``"registered"`` or ``"hybrid"``.
         """
@@ -788,7 +786,7 @@ class GpuLoader:
 
             node = nodecopy.service_socket(view.volume) if self.node_copy else None
             if node is not None:
-                remaining = self._load_node(view, targets, finish, node, verifier)
+                remaining = self._load_node(view, targets, finish, node)
                 if remaining is None:
                     self.last_path = NODE
                     return NODE
@@ -850,9 +848,8 @@ class GpuLoader:
             arena.adopt(ready)  # what the loop faulted in and registered
 
     def _load_node(self, view: ModelView, targets: list[FileTarget],
-                   finish: Callable[[FileTarget, str], None], socket_path: str,
-                   verifier: gpuverify.DeviceVerifier | None = None
-                   ) -> list[FileTarget] | None:
+                   finish: Callable[[FileTarget, str], None],
+                   socket_path: str) -> list[FileTarget] | None:
         """Have the node's copy service fill exportable allocations, one per file.
         Returns None when it did, else the targets (finished tensors left out) that
         still need copying in-pod; says why once per socket.
@@ -861,11 +858,6 @@ class GpuLoader:
         after one file's allocation (a few ms for 13 GB of ``cuMemCreate`` would
         otherwise come before the first byte moves) and the rest are allocated while
         the copy engine works.
-
-        Each request also asks the service for the checksums of the file's chunks
-        (``verifier``'s plans), which it computes beside the copies; the pod compares
-        them with the staged ones. Without them in the reply (an older service, a GPU
-        without the kernel) or after a failure, the pod checks the files itself.
         """
         torch = _torch()
         t0 = time.monotonic()
@@ -883,7 +875,6 @@ class GpuLoader:
         order = [c for cs in by_target for c in cs]  # the order the service reports
         reported = [0]
         fds: list[int] = []
-        checks: list[gpuverify.ServiceCheck | None] = []
 
         def requests() -> Iterator[tuple[int, protocol.CopyRequest]]:
             for i, target in enumerate(targets):
@@ -909,16 +900,8 @@ class GpuLoader:
                 # The request goes out first, so the copy engine starts while this
                 # process makes the tensor views (no progress is read before every
                 # request is sent, so no tensor is reported before it has its view).
-                check = None
-                if verifier is not None and target.name in verifier.plans:
-                    check = gpuverify.service_check(view, verifier.plans[target.name],
-                                                    target.first_dst)
-                    if check is not None:
-                        verifier.delegate(target.name)
-                checks.append(check)
                 yield fds[-1], protocol.CopyRequest(alloc.uuid, alloc.size, tuple(
-                    protocol.Copy(c.pieces[0].src, c.dst, c.nbytes) for c in by_target[i]),
-                    tuple(protocol.Sum(*r) for r in check.ranges) if check else ())
+                    protocol.Copy(c.pieces[0].src, c.dst, c.nbytes) for c in by_target[i]))
                 t = time.monotonic()
                 # Sent: the message holds the allocation now. Closed here, while the
                 # copies run: closing the three fds after the last copy took 1.2-1.5 ms
@@ -944,7 +927,6 @@ class GpuLoader:
                       len(targets), (time.monotonic() - t0) * 1e3,
                       float(report.get("seconds", 0)) * 1e3)
         except nodecopy.NodeCopyError as exc:
-            self._settle_checks(verifier, targets, checks, None)
             self._node_fallback(socket_path, exc)
             return _unfinished(targets)
         finally:
@@ -953,30 +935,8 @@ class GpuLoader:
             for fd in fds:  # what a failed request left
                 os.close(fd)
             log.debug("node copy: connection closed in %.2f ms", (time.monotonic() - t) * 1e3)
-        self._settle_checks(verifier, targets, checks, report.get("sums"))
         self.node_copy_refused = None
         return None
-
-    @staticmethod
-    def _settle_checks(verifier: gpuverify.DeviceVerifier | None, targets: list[FileTarget],
-                       checks: list[gpuverify.ServiceCheck | None], sums: Any) -> None:
-        """Hand the service's checksums to the verifier, or the files back to it (files
-        the request generator never reached were not handed over)."""
-        if verifier is None:
-            return
-        for i, (target, check) in enumerate(zip(targets, checks, strict=False)):
-            if check is None:
-                continue
-            got = sums[i] if isinstance(sums, list) and i < len(sums) else None
-            try:
-                if not isinstance(got, list):
-                    raise ValueError("no checksums in the service's reply")
-                bad = check.mismatches(got)
-            except ValueError as exc:
-                log.debug("node copy: %s: %s; checking in-pod", target.name, exc)
-                verifier.undelegate(target.name)
-                continue
-            verifier.settle(target.name, bad)
 
     def _node_fallback(self, socket_path: str, exc: nodecopy.NodeCopyError) -> None:
         self.node_copy_refused = str(exc)

@@ -13,12 +13,6 @@ its own, chunk by chunk as their tensors land; the reductions are queued without
 waiting and their results read once, after the last, so only the last chunks' check
 adds to the load.
 
-When the node's GPU copy service fills the file (:mod:`.nodecopy`), it sums the chunks
-itself, on the device, as its copies land (:func:`service_check` lists the ranges, and
-:meth:`DeviceVerifier.delegate` hands the file over); the pod only compares. A service
-that cannot, or a load that falls back in-pod, gives the file back
-(:meth:`DeviceVerifier.undelegate`) and the pod sums what landed.
-
 What cannot be checked on the device goes to the host check (:func:`device_plan`
 returns None): a subset of a file's tensors (tensor parallelism: the chunks also hold
 bytes that were not loaded), SHA-256 volumes, files whose tensor data has holes or does
@@ -143,58 +137,6 @@ def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
     return wsum.Pending(mismatches)
 
 
-@dataclass(frozen=True)
-class ServiceCheck:
-    """One file's check by the node's copy service: the allocation ranges it sums
-    (``ranges``: (dst, nbytes), sorted and disjoint) and how each chunk's sums are made
-    of them. ``parts``: per chunk, its header bytes' sums (taken from the mapping, as
-    the loader parsed the header from there), the index of its range (-1: none, a
-    chunk of header only) and how many words into the chunk that range starts."""
-
-    plan: FilePlan
-    ranges: tuple[tuple[int, int], ...]
-    parts: tuple[tuple[checksum.Chunk, tuple[int, int], int, int], ...]
-
-    def mismatches(self, sums: list[str]) -> list[checksum.Mismatch]:
-        """Compare the service's sums (32 hex digits per range) with the staged ones."""
-        if len(sums) != len(self.ranges):
-            raise ValueError(f"the copy service sent {len(sums)} sums for "
-                             f"{len(self.ranges)} ranges")
-        out = []
-        for chunk, head, r, words in self.parts:
-            got = [head]
-            if r >= 0:
-                got.append(wsum.shift(*wsum.parse(sums[r]), words))
-            digest = wsum.fmt(*wsum.combine(*got))
-            if digest != chunk.expected:
-                out.append(checksum.Mismatch(chunk, digest))
-        return out
-
-
-def service_check(view: ModelView, plan: FilePlan, first_dst: int) -> ServiceCheck | None:
-    """The ranges the copy service sums for ``plan``'s file, loaded whole into an
-    allocation whose byte ``first_dst`` holds the volume byte ``plan.data_start``; None
-    where a range would not start on a word (the kernel reads words)."""
-    entry, ds = plan.entry, plan.data_start - plan.entry.offset
-    bounds = chunk_ranges(entry.length, plan.chunk_size)
-    ranges: list[tuple[int, int]] = []
-    parts = []
-    for chunk in plan.chunks:
-        off, n = bounds[chunk.index]
-        head = (0, 0)
-        if off < ds:
-            head = wsum.cpu_sums(view.volume.view(entry.offset + off, min(off + n, ds) - off))
-        start, r = max(off, ds), -1
-        if start < off + n:
-            dst = first_dst + start - ds
-            if dst % 8:
-                return None
-            r = len(ranges)
-            ranges.append((dst, off + n - start))
-        parts.append((chunk, head, r, (start - off) // 8))
-    return ServiceCheck(plan, tuple(ranges), tuple(parts))
-
-
 def check_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
                  indices: list[int]) -> list[checksum.Mismatch]:
     """:func:`launch_chunks`, waited for: the mismatches."""
@@ -238,10 +180,6 @@ class DeviceVerifier:
     beside the copies and only the last chunks' check is left when the copy ends.
     ``done`` fires once with every mismatch, or with the exception that stopped the
     check, after the last chunk.
-
-    A file handed to the copy service (:meth:`delegate`) is tracked but not summed
-    here; :meth:`settle` takes the service's verdict, :meth:`undelegate` takes it back
-    (what landed is queued at once).
     """
 
     def __init__(self, view: ModelView, plans: dict[str, FilePlan], device: Any,
@@ -255,8 +193,6 @@ class DeviceVerifier:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._queue: list[tuple[str, Any, int, list[int]]] = []
-        self._delegated: set[str] = set()
-        self._where: dict[str, tuple[Any, int]] = {}  # file -> (buffer, first_dst)
         self._wake = threading.Condition(self._lock)
         # No thread and no CUDA work until the first batch is queued: this runs when
         # a load starts, and whatever it did there (a thread asking for the GIL, a
@@ -275,57 +211,19 @@ class DeviceVerifier:
             progress = self._progress[fname]
             pending = self._pending.setdefault(fname, [])
             pending += progress.add(start - offset, end - offset)
-            self._where[fname] = (buffer, first_dst)
-            if fname in self._delegated:
-                return
             # Coalesced: a few large batched reductions cost less GIL and fewer
             # synchronisations than one per tensor, and the copy threads need both.
             size = sum(progress.ranges[i][1] for i in pending)
             unlanded = sum(progress.ranges[i][1] for i in progress.unchecked)
-            if pending and (size >= batch_threshold(unlanded) or not progress.unchecked):
-                self._queue_locked(fname)
-
-    def _queue_locked(self, fname: str) -> None:
-        """Queue the file's complete, unchecked chunks (lock held)."""
-        pending = self._pending.get(fname)
-        if not pending or self._closed:
-            return
-        buffer, first_dst = self._where[fname]
-        self._queue.append((fname, buffer, first_dst, sorted(pending)))
-        self._pending[fname] = []
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="verify-gpu",
-                                            daemon=True)
-            self._thread.start()
-        self._wake.notify()
-
-    def delegate(self, fname: str) -> None:
-        """The copy service checks ``fname``: track it, sum nothing of it here."""
-        with self._wake:
-            if fname in self.plans:
-                self._delegated.add(fname)
-
-    def undelegate(self, fname: str) -> None:
-        """Check ``fname`` here after all (the service did not): what landed now."""
-        with self._wake:
-            if fname in self._delegated:
-                self._delegated.discard(fname)
-                self._queue_locked(fname)
-
-    def settle(self, fname: str, bad: list[checksum.Mismatch]) -> None:
-        """The copy service checked all of ``fname``: ``bad`` is what did not match."""
-        with self._wake:
-            if fname not in self._delegated:
-                return
-            self._delegated.discard(fname)
-            self._progress[fname].unchecked.clear()
-            self._pending[fname] = []
-            self._bad += bad
-            self._left.discard(fname)
-            idle = self._thread is None and not self._left
-            self._wake.notify()
-        if idle:  # no thread was needed, and none will report
-            self._finish()
+            if pending and (size >= batch_threshold(unlanded) or not progress.unchecked) \
+                    and not self._closed:
+                self._queue.append((fname, buffer, first_dst, sorted(pending)))
+                self._pending[fname] = []
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="verify-gpu",
+                                                    daemon=True)
+                    self._thread.start()
+                self._wake.notify()
 
     def fail(self, exc: BaseException) -> None:
         """The load failed: stop waiting for files that will not come."""

@@ -151,16 +151,15 @@ class Session:
 
 def request_copies(path: str, fd: int, gpu: str, size: int,
                    copies: Sequence[protocol.Copy], on_progress: Callable[[int], None],
-                   timeout: float = 30.0, sums: Sequence[protocol.Sum] = ()
-                   ) -> dict[str, Any]:
-    """Connect, check the service sees ``gpu``, copy (and sum ``sums``), close."""
+                   timeout: float = 30.0) -> dict[str, Any]:
+    """Connect, check the service sees ``gpu``, copy, close."""
     session = Session(path, timeout)
     try:
         if gpu not in session.hello():
             raise NodeCopyError(f"the node's GPU copy service cannot reach {gpu} (it "
                                 f"sees {', '.join(session.hello()) or 'no GPU'})")
-        return session.copy([(fd, protocol.CopyRequest(gpu, size, tuple(copies),
-                                                        tuple(sums)))], on_progress)
+        return session.copy([(fd, protocol.CopyRequest(gpu, size, tuple(copies)))],
+                            on_progress)
     finally:
         session.close()
 
