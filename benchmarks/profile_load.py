@@ -6,10 +6,14 @@ configuration per run (run it in a loop of fresh processes to compare settings).
 prints one JSON line: seconds per phase (opening the volume, reading the model, making
 the loader, the load, verification) and the path taken; ``--log`` adds the loader's
 DEBUG lines (pinned buffer allocation, how many pieces the hybrid load registered,
-the node copy service's timings) on stderr.
+the node copy service's timings) on stderr. ``--trace PATH`` records the load's CUDA
+activity with the torch profiler (a Chrome trace at PATH) and adds what the device did
+(:mod:`device_trace`: copy-engine gaps, kernels during them, the check after the last
+copy); tracing slows the load, so compare traced loads with traced loads only.
 
 Usage: benchmarks/profile_load.py VOLUME [--mode auto|bounce|registered|hybrid]
          [--buffers N --buffer-mib M --threads T --register-mib R] [--no-verify] [--log]
+         [--trace PATH]
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> int:
@@ -39,6 +45,7 @@ def main() -> int:
     p.add_argument("--no-hybrid-bounce", action="store_true",
                    help="hybrid loads: registration only, no bounce buffers from the back")
     p.add_argument("--log", action="store_true")
+    p.add_argument("--trace", help="write the load's CUDA activity here (Chrome trace)")
     args = p.parse_args()
     if args.log:
         logging.basicConfig(level=logging.DEBUG, stream=sys.stderr,
@@ -67,18 +74,35 @@ def main() -> int:
                        register_step=args.register_mib * MiB,
                        hybrid_bounce=not args.no_hybrid_bounce)
     phases["loader"] = time.perf_counter() - t
-    t = time.perf_counter()
-    handle = start_load(view, args.device, loader=loader, verify=not args.no_verify)
-    handle.done.result()
-    torch.cuda.synchronize()
-    phases["load"] = time.perf_counter() - t
-    handle.verified.result()
-    phases["verified"] = time.perf_counter() - t
+    tracing: Any = contextlib.nullcontext()
+    mark: Any = contextlib.nullcontext()
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        tracing = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        mark = record_function("load")
+    with tracing:
+        with mark:
+            t = time.perf_counter()
+            handle = start_load(view, args.device, loader=loader, verify=not args.no_verify)
+            handle.done.result()
+            torch.cuda.synchronize()
+            phases["load"] = time.perf_counter() - t
+            handle.verified.result()
+            phases["verified"] = time.perf_counter() - t
+    device = None
+    if args.trace:
+        import device_trace
+
+        tracing.export_chrome_trace(args.trace)
+        with open(args.trace) as f:
+            device = device_trace.summarize(json.load(f))
     total = sum(phases[k] for k in ("open_volume", "open_model", "loader")) + phases["verified"]
     print(json.dumps({"path": handle.path, "bytes": handle.nbytes,
                       "gbps_load": handle.nbytes / 1e9 / phases["load"],
                       "gbps_total": handle.nbytes / 1e9 / total,
                       "phases_ms": {k: round(v * 1e3, 1) for k, v in phases.items()},
+                      **({"device": device} if device is not None else {}),
                       "config": vars(args)}))
     return 0
 
