@@ -10,15 +10,20 @@ drift hits all of them alike. Prints one line per load and a best/median summary
 Each ``--config`` is ``LABEL|ENV|ARGS``: ``ENV`` is space-separated ``NAME=VALUE``
 pairs for the process (``CSI_PMEM_BOUNCE_COPY=torch``, ``GLIBC_TUNABLES=...``), ``ARGS``
 the extra arguments of profile_load.py (``--no-verify --buffers 16``). Every load is
-in-pod: the node copy service is off (``--no-node``, ``CSI_PMEM_GPU_COPY=off``).
+in-pod: the node copy service is off (``--no-node``, ``CSI_PMEM_GPU_COPY=off``), unless
+``--node`` serves the volume as a published directory with the copy service in its own
+process (:mod:`csi_pmem.gpucopy.standalone`, as ``bench_fresh.py``'s node rows do) and
+every load goes through it.
 
 Usage: benchmarks/profile_ab.py VOLUME --config 'drv||--no-verify'
          --config 'torch|CSI_PMEM_BOUNCE_COPY=torch|--no-verify' [--reps 3] [--json F]
+         [--trace-dir DIR] [--node DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -45,9 +50,11 @@ def parse_config(text: str) -> tuple[str, dict[str, str], list[str]]:
     return parts[0], env, shlex.split(parts[2])
 
 
-def one(volume: str, env: dict[str, str], args: list[str], timeout: float) -> dict:
-    e = dict(os.environ, CSI_PMEM_GPU_COPY="off", **env)
-    cmd = [sys.executable, str(PROFILE), volume, "--no-node", *args]
+def one(volume: str, env: dict[str, str], args: list[str], timeout: float,
+        trace: str | None = None, node: bool = False) -> dict:
+    e = dict(os.environ, **({} if node else {"CSI_PMEM_GPU_COPY": "off"}), **env)
+    cmd = [sys.executable, str(PROFILE), volume, *([] if node else ["--no-node"]), *args,
+           *(["--trace", trace] if trace else [])]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or not lines:
@@ -56,7 +63,8 @@ def one(volume: str, env: dict[str, str], args: list[str], timeout: float) -> di
     # profile_load.py's own total: opening the volume and the model, the loader, the
     # load until verified.
     return {"returncode": r.returncode, "path": doc["path"], "gb_s": doc["gbps_total"],
-            "total_ms": doc["bytes"] / 1e6 / doc["gbps_total"]}
+            "total_ms": doc["bytes"] / 1e6 / doc["gbps_total"], "phases_ms": doc["phases_ms"],
+            **({"device": doc["device"]} if "device" in doc else {})}
 
 
 def main() -> int:
@@ -66,18 +74,38 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--timeout-s", type=float, default=60)
     p.add_argument("--json", help="write every load and the summary here")
+    p.add_argument("--trace-dir", help="trace every load (profile_load.py --trace) into "
+                   "LABEL-REP.json here; the summaries add the device's numbers")
+    p.add_argument("--node", metavar="DIR", help="publish VOLUME at DIR with the node's copy "
+                   "service and load through it")
     a = p.parse_args()
+    with contextlib.ExitStack() as stack:
+        if a.node:
+            sys.path.insert(0, str(PROFILE.parent.parent))
+            from csi_pmem.gpucopy.standalone import published
+
+            a.volume = stack.enter_context(published(a.volume, a.node))
+        return run(a)
+
+
+def run(a: argparse.Namespace) -> int:
+    if a.trace_dir:
+        os.makedirs(a.trace_dir, exist_ok=True)
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in a.config}
     for rep in range(a.reps):
         for label, env, args in a.config:
             try:
-                r = one(a.volume, env, args, a.timeout_s)
+                trace = (os.path.join(a.trace_dir, f"{label}-{rep + 1}.json")
+                         if a.trace_dir else None)
+                r = one(a.volume, env, args, a.timeout_s, trace, node=bool(a.node))
             except subprocess.TimeoutExpired:
                 r = {"returncode": None, "error": f"no result in {a.timeout_s} s"}
             runs[label].append(r)
             if "gb_s" in r:
                 print(f"{rep + 1} {label:24s} rc={r['returncode']} path={r['path']:7s} "
-                      f"{r['total_ms']:7.1f} ms {r['gb_s']:6.2f} GB/s", flush=True)
+                      f"{r['total_ms']:7.1f} ms {r['gb_s']:6.2f} GB/s"
+                      + (f" device {json.dumps(r['device'])}" if "device" in r else ""),
+                      flush=True)
             else:
                 print(f"{rep + 1} {label:24s} FAILED rc={r['returncode']}: {r['error']}",
                       flush=True)

@@ -42,9 +42,27 @@ def test_one_load_reads_profile_loads_total(tmp_path, monkeypatch):
                     "if os.environ.get('FAIL'): sys.exit('no GPU here')\n"
                     "print('debug line')\n"
                     "assert '--no-node' in sys.argv and os.environ['CSI_PMEM_GPU_COPY'] == 'off'\n"
-                    "print(json.dumps({'path': 'bounce', 'bytes': 10**9, 'gbps_total': 40.0}))\n")
+                    "assert '--trace' not in sys.argv\n"
+                    "print(json.dumps({'path': 'bounce', 'bytes': 10**9, 'gbps_total': 40.0,\n"
+                    "                  'phases_ms': {'load': 20.0}}))\n")
     monkeypatch.setattr(profile_ab, "PROFILE", fake)
     r = profile_ab.one("/vol", {}, ["--no-verify"], timeout=30)
-    assert r == {"returncode": 0, "path": "bounce", "gb_s": 40.0, "total_ms": 25.0}
+    assert r == {"returncode": 0, "path": "bounce", "gb_s": 40.0, "total_ms": 25.0,
+                 "phases_ms": {"load": 20.0}}
     bad = profile_ab.one("/vol", {"FAIL": "1"}, [], timeout=30)
     assert bad["returncode"] == 1 and "no GPU here" in bad["error"]
+
+
+def test_a_traced_node_load_passes_the_trace_and_keeps_the_service_on(tmp_path, monkeypatch):
+    """``--node`` loads use the copy service (no --no-node, CSI_PMEM_GPU_COPY unset), and a
+    traced load hands profile_load.py its trace path and keeps the device summary."""
+    fake = tmp_path / "profile_load.py"
+    fake.write_text("import json, os, sys\n"
+                    "assert '--no-node' not in sys.argv and 'CSI_PMEM_GPU_COPY' not in os.environ\n"
+                    "trace = sys.argv[sys.argv.index('--trace') + 1]\n"
+                    "print(json.dumps({'path': 'node', 'bytes': 10**9, 'gbps_total': 50.0,\n"
+                    "                  'phases_ms': {}, 'device': {'trace': trace}}))\n")
+    monkeypatch.setattr(profile_ab, "PROFILE", fake)
+    monkeypatch.delenv("CSI_PMEM_GPU_COPY", raising=False)
+    r = profile_ab.one("/dir", {}, [], timeout=30, trace="/t/x.json", node=True)
+    assert r["path"] == "node" and r["device"] == {"trace": "/t/x.json"}
