@@ -162,7 +162,9 @@ def test_refused_registration_falls_back_loudly(models, monkeypatch, caplog):
 @cuda
 @pytest.mark.parametrize("mode", ["bounce", "registered", "hybrid"])
 @pytest.mark.parametrize("where", ["data", "header"])
-def test_gpu_load_refuses_corrupt_data(models, mode, where):
+@pytest.mark.parametrize("warm", ["sync", "thread", "off"])
+def test_gpu_load_refuses_corrupt_data(models, mode, where, warm, monkeypatch):
+    from csi_pmem.loader import gpuverify
     from csi_pmem.loader.gpu import GpuLoader
     from csi_pmem.loader.model import open_model
 
@@ -184,6 +186,7 @@ def test_gpu_load_refuses_corrupt_data(models, mode, where):
             assert fh.read(1) == b" "
             fh.seek(-1, 1)
             fh.write(b"\t")
+    monkeypatch.setenv(gpuverify.WARM_ENV, warm)
     with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=2, mode=mode) as loader, \
             pytest.raises(ChecksumError, match="wsum64"):
         load_safetensors(str(vol), "cuda:0", loader=loader)
@@ -203,6 +206,33 @@ def test_device_sums_equal_the_host_sums():
     chunk = 8 * wsum.ROW * 4
     assert wsum.device_chunk_sums(dev[:3 * chunk], chunk) == [
         wsum.cpu_sums(data[i * chunk:(i + 1) * chunk].tobytes()) for i in range(3)]
+
+
+@cuda
+def test_sums_sharing_one_read_back_equal_the_host_sums():
+    """Results queued in one Readback come back in one copy, each where it belongs;
+    warm() runs every kernel of the check on zeros without error."""
+    import numpy as np
+
+    from csi_pmem.loader import wsum
+
+    wsum.warm("cuda:0")
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 3 * 8 * wsum.ROW * 4 + 123, dtype=np.uint8)
+    dev = torch.from_numpy(data).cuda()
+    rb = wsum.Readback()
+    spans = [(0, len(data)), (8, 8 * wsum.ROW + 5), (16, 24), (0, 3), (40, 8 * wsum.ROW * 2)]
+    singles = [wsum.device_sums_async(dev[a:b], rb) for a, b in spans]
+    chunk = 8 * wsum.ROW * 4
+    chunks = wsum.device_chunk_sums_async(dev[:3 * chunk], chunk, rb)
+    assert len(rb._queued) > len(spans)  # nothing read back yet
+    assert chunks.result() == [wsum.cpu_sums(data[i * chunk:(i + 1) * chunk].tobytes())
+                               for i in range(3)]
+    assert rb._queued == []  # all of them in that one read-back
+    assert [p.result() for p in singles] == [wsum.cpu_sums(data[a:b].tobytes())
+                                             for a, b in spans]
+    late = wsum.device_sums_async(dev[8:16], rb)  # noted after a read-back: read on its own
+    assert late.result() == wsum.cpu_sums(data[8:16].tobytes())
 
 
 @cuda

@@ -22,6 +22,7 @@ not start on a word.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,12 @@ BATCH = 1 << 30  # bytes of complete chunks checked together, at most
 # the last batch's reduction and read-back come after the last copy, so a 1 GiB one
 # added its device time to every verified load.
 TAIL_BATCH = 64 << 20
+# When the check's kernels are first run (:func:`.wsum.warm`): "sync" when the load
+# starts, before its copies; "thread" on the checking thread, started with the load;
+# "off" at the first batch, beside the copies.
+WARM_ENV = "CSI_PMEM_VERIFY_WARM"
+WARM_MODES = ("sync", "thread", "off")
+WARM_DEFAULT = "off"
 
 
 def batch_threshold(unlanded: int) -> int:
@@ -81,12 +88,14 @@ def device_plan(view: ModelView, fname: str, tensors: list[TensorInfo]) -> FileP
 
 
 def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
-                  indices: list[int]) -> wsum.Pending:
+                  indices: list[int], readback: wsum.Readback | None = None
+                  ) -> wsum.Pending:
     """Queue the sums of the chunks ``indices`` of ``plan``'s file on the current
     stream; ``result()`` waits for them and returns the mismatches. ``buffer`` is the
     file's device buffer, whose byte ``first_dst`` holds the volume byte
-    ``plan.data_start``."""
+    ``plan.data_start``. The sums are read back with the rest of ``readback``."""
     entry, ds, size = plan.entry, plan.data_start - plan.entry.offset, plan.chunk_size
+    rb = readback or wsum.Readback()
 
     def dev(rel_start: int, rel_end: int) -> Any:
         return buffer[first_dst + rel_start - ds:first_dst + rel_end - ds]
@@ -99,7 +108,7 @@ def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
     for i in [*full, None]:
         if run and (i is None or i != run[-1] + 1):
             sums = wsum.device_chunk_sums_async(
-                dev(ranges[run[0]][0], ranges[run[-1]][0] + size), size)
+                dev(ranges[run[0]][0], ranges[run[-1]][0] + size), size, rb)
             for k, index in enumerate(run):
                 got[index] = lambda sums=sums, k=k: sums.result()[k]
             run = []
@@ -115,7 +124,7 @@ def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
             parts.append(lambda head=head: head)
         start = max(off, ds)
         if start < off + n:
-            part = wsum.device_sums_async(dev(start, off + n))
+            part = wsum.device_sums_async(dev(start, off + n), rb)
 
             def shifted(part: wsum.Pending = part, words: int = (start - off) // 8
                         ) -> tuple[int, int]:
@@ -183,8 +192,10 @@ class DeviceVerifier:
     """
 
     def __init__(self, view: ModelView, plans: dict[str, FilePlan], device: Any,
-                 done: Callable[[list[checksum.Mismatch], BaseException | None], None]):
+                 done: Callable[[list[checksum.Mismatch], BaseException | None], None],
+                 warm: str | None = None):
         self.view, self.plans, self.device = view, plans, device
+        self._readback = wsum.Readback()
         self._done = done
         self._left = set(plans)
         self._progress = {f: _FileProgress(p) for f, p in plans.items()}
@@ -200,8 +211,25 @@ class DeviceVerifier:
         self._thread: threading.Thread | None = None
         self._closed = False  # failed before any batch: nothing will start a thread
         self._reported = False
+        self._warm = warm if warm is not None else os.environ.get(WARM_ENV, WARM_DEFAULT)
+        if self._warm not in WARM_MODES:
+            raise ValueError(f"{WARM_ENV}={self._warm!r}: want one of {', '.join(WARM_MODES)}")
         if not plans:
             self._finish()
+        elif self._warm == "sync":
+            self._warm_up()
+        elif self._warm == "thread":
+            self._start()
+
+    def _warm_up(self) -> None:
+        try:
+            wsum.warm(self.device)
+        except Exception as exc:  # the check itself will fail and say so
+            log.debug("warming the device check failed: %s", exc)
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="verify-gpu", daemon=True)
+        self._thread.start()
 
     def submit(self, fname: str, buffer: Any, first_dst: int, start: int, end: int) -> None:
         if fname not in self.plans:
@@ -220,9 +248,7 @@ class DeviceVerifier:
                 self._queue.append((fname, buffer, first_dst, sorted(pending)))
                 self._pending[fname] = []
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="verify-gpu",
-                                                    daemon=True)
-                    self._thread.start()
+                    self._start()
                 self._wake.notify()
 
     def fail(self, exc: BaseException) -> None:
@@ -246,6 +272,8 @@ class DeviceVerifier:
                 self._error = self._error or exc
             self._finish()
             return
+        if self._warm == "thread":
+            self._warm_up()
         try:
             self._check_all(stream)
         except BaseException as exc:  # a bug here must still end the check
@@ -257,8 +285,6 @@ class DeviceVerifier:
         self._finish()
 
     def _check_all(self, stream: Any) -> None:
-        import torch
-
         # The buffers stay referenced until the reductions that read them are done, so
         # that the caching allocator cannot hand their memory out under them.
         launched: list[tuple[wsum.Pending, Any]] = []
@@ -271,9 +297,12 @@ class DeviceVerifier:
                 fname, buffer, first_dst, ready = self._queue.pop(0)
             exc_: BaseException | None = None
             try:
+                import torch
+
                 with torch.cuda.device(self.device), torch.cuda.stream(stream):
                     launched.append((launch_chunks(self.view, self.plans[fname], buffer,
-                                                   first_dst, ready), buffer))
+                                                   first_dst, ready, self._readback),
+                                     buffer))
             except BaseException as exc:  # a device error: the check did not happen
                 log.error("checking %s on the device failed: %s", fname, exc)
                 exc_ = exc
@@ -298,12 +327,17 @@ class DeviceVerifier:
 
     def _collect(self, stream: Any, launched: list[tuple[wsum.Pending, Any]]
                  ) -> tuple[list[checksum.Mismatch], BaseException | None]:
-        """Every reduction is queued: one wait for all of them, then compare."""
+        """Every reduction is queued: one read-back for all of them (on their stream, so
+        it waits for them), then compare."""
         bad: list[checksum.Mismatch] = []
+        if not launched:
+            return bad, None
         try:
-            stream.synchronize()
-            for pending, _buffer in launched:
-                bad += pending.result()
+            import torch
+
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                for pending, _buffer in launched:
+                    bad += pending.result()
         except BaseException as exc:
             log.error("checking on the device failed: %s", exc)
             return bad, exc

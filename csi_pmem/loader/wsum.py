@@ -126,11 +126,42 @@ def _row_sums(torch: Any, block: Any) -> tuple[Any, Any]:
     return r.sum(dim=1), (r * i).sum(dim=1) * ROW + (c * j).sum(dim=1)
 
 
-def _to_pairs(s1: Any, s2: Any) -> list[tuple[int, int]]:
-    out = []
-    for a, b in zip(s1.tolist(), s2.tolist(), strict=True):
-        out.append((a & MASK, b & MASK))
-    return out
+class Readback:
+    """Integers on the device, read back together: one copy and one wait for a check.
+
+    Why: ``tolist()`` per reduction is a device-to-host copy and a wait each. A verified
+    14.7 GB load queued about 70 reductions, and reading them one by one after the last
+    copy added 2 ms to the load (a fresh process's trace on an H200). Here each queued
+    result is only noted; the first :meth:`get` concatenates every result noted so far
+    on the device and copies them in one go (on the caller's current stream, which must
+    be the one they were queued on or ordered after it).
+    """
+
+    def __init__(self) -> None:
+        self._queued: list[Any] = []  # flat int64 device tensors, not read yet
+        self._values: list[list[int]] = []  # what was read, one list per tensor
+
+    def add(self, tensor: Any) -> int:
+        """Note ``tensor``'s values for reading; the index for :meth:`get`."""
+        self._queued.append(tensor.reshape(-1))
+        return len(self._values) + len(self._queued) - 1
+
+    def get(self, index: int) -> list[int]:
+        if index >= len(self._values):
+            queued, self._queued = self._queued, []
+            flat = (_torch().cat(queued) if len(queued) > 1 else queued[0]).tolist()
+            at = 0
+            for t in queued:
+                n = t.numel()
+                self._values.append(flat[at:at + n])
+                at += n
+        return self._values[index]
+
+
+def _pairs(rb: Readback, s1: Any, s2: Any) -> Any:
+    """A getter of [(s1, s2), ...] for two queued int64 vectors."""
+    a, b = rb.add(s1), rb.add(s2)
+    return lambda: [(x & MASK, y & MASK) for x, y in zip(rb.get(a), rb.get(b), strict=True)]
 
 
 class Pending:
@@ -154,9 +185,11 @@ class Pending:
         return self._value
 
 
-def device_sums_async(buf: Any) -> Pending:
-    """:func:`device_sums`, queued: ``result()`` is the (s1, s2) pair."""
+def device_sums_async(buf: Any, readback: Readback | None = None) -> Pending:
+    """:func:`device_sums`, queued: ``result()`` is the (s1, s2) pair. Results noted in
+    ``readback`` are read back with everything else noted there."""
     torch = _torch()
+    rb = readback or Readback()
     n = buf.numel()
     full = n // 8
     words = buf[:full * 8].view(torch.int64)
@@ -164,20 +197,21 @@ def device_sums_async(buf: Any) -> Pending:
     rows = full // ROW
     if rows:
         block = words[:rows * ROW].view(1, rows, ROW)
-        a, b = _row_sums(torch, block)
-        parts.append(lambda a=a, b=b: _to_pairs(a, b)[0])
+        get = _pairs(rb, *_row_sums(torch, block))
+        parts.append(lambda get=get: get()[0])
     if full - rows * ROW:
         rest = words[rows * ROW:]
         k = torch.arange(rows * ROW + 1, full + 1, dtype=torch.int64, device=buf.device)
-        r1, r2 = rest.sum().view(1), (rest * k).sum().view(1)
-        parts.append(lambda r1=r1, r2=r2: _to_pairs(r1, r2)[0])
+        get = _pairs(rb, rest.sum().view(1), (rest * k).sum().view(1))
+        parts.append(lambda get=get: get()[0])
     rem = n - full * 8
     if rem:
         tail = torch.zeros(8, dtype=torch.uint8, device=buf.device)
         tail[:rem] = buf[full * 8:]
+        index = rb.add(tail.view(torch.int64))
 
-        def last(tail: Any = tail) -> tuple[int, int]:
-            word = int(tail.view(torch.int64).item()) & MASK
+        def last(index: int = index) -> tuple[int, int]:
+            word = rb.get(index)[0] & MASK
             return word, (full + 1) * word
 
         parts.append(last)
@@ -190,18 +224,37 @@ def device_sums(buf: Any) -> tuple[int, int]:
     return device_sums_async(buf).result()
 
 
-def device_chunk_sums_async(buf: Any, chunk_bytes: int) -> Pending:
+def device_chunk_sums_async(buf: Any, chunk_bytes: int,
+                            readback: Readback | None = None) -> Pending:
     """:func:`device_chunk_sums`, queued: ``result()`` is the list of pairs."""
     torch = _torch()
     n = buf.numel() // chunk_bytes
     if n == 0:
         return Pending(list)
     block = buf[:n * chunk_bytes].view(torch.int64).view(n, chunk_bytes // 8 // ROW, ROW)
-    a, b = _row_sums(torch, block)
-    return Pending(lambda: _to_pairs(a, b))
+    return Pending(_pairs(readback or Readback(), *_row_sums(torch, block)))
 
 
 def device_chunk_sums(buf: Any, chunk_bytes: int) -> list[tuple[int, int]]:
     """(s1, s2) of each ``chunk_bytes`` chunk of a uint8 CUDA tensor that holds whole
     chunks back to back (``chunk_bytes`` a multiple of 8 * ROW): one batched reduction."""
     return device_chunk_sums_async(buf, chunk_bytes).result()
+
+
+def warm(device: Any) -> None:
+    """Run every kernel of a device check once, on a few zero words, and wait.
+
+    Why: a fresh process loads a kernel's code the first time it launches it, and the
+    first launch of the check's reductions took 7.6 ms on an H200, holding a driver
+    lock that stopped the load's copy threads: the copy engine sat idle for 5.5 ms in
+    the middle of a verified load (a fresh process's trace). Run while nothing is being
+    copied, the same first launches cost the load only their own time.
+    """
+    torch = _torch()
+    with torch.cuda.device(device):
+        rb = Readback()
+        buf = torch.zeros(2 * 2 * ROW * 8 + 8 * 3 + 5, dtype=torch.uint8, device=device)
+        chunks = device_chunk_sums_async(buf[:2 * 2 * ROW * 8], 2 * ROW * 8, rb)
+        whole = device_sums_async(buf, rb)
+        if chunks.result() != [(0, 0), (0, 0)] or whole.result() != (0, 0):
+            raise RuntimeError("the device check summed zeros to something else")
