@@ -21,6 +21,7 @@ import importlib.machinery
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -138,6 +139,7 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
         raise ValueError("one ready flag per buffer")
     flat_chunks: list[int] = []
     flat_pieces: list[int] = []
+    started = time.monotonic()
     for c in chunks:
         flat_chunks += (dst_base[c.target] + c.dst, c.nbytes, len(flat_pieces) // 3,
                         len(c.pieces))
@@ -172,6 +174,8 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
         finally:
             os.close(write_fd)  # EOF for the reader once every worker has returned
 
+    log.debug("native loop: %d chunks handed over in %.2f ms", len(chunks),
+              (time.monotonic() - started) * 1e3)
     runner = threading.Thread(target=call, name="bounce-native", daemon=True)
     error: BaseException | None = None
     try:
@@ -187,6 +191,10 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
             data = os.read(read_fd, 65536)  # releases the GIL while it waits
             if not data:
                 break
+            if started:
+                log.debug("native loop: first chunk on the device %.2f ms after the "
+                          "hand-over began", (time.monotonic() - started) * 1e3)
+                started = 0.0
             data, rest = rest + data, b""
             cut = len(data) - len(data) % 4
             data, rest = data[:cut], data[cut:]
