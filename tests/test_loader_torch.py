@@ -162,8 +162,9 @@ def test_refused_registration_falls_back_loudly(models, monkeypatch, caplog):
 @cuda
 @pytest.mark.parametrize("mode", ["bounce", "registered", "hybrid"])
 @pytest.mark.parametrize("where", ["data", "header"])
-@pytest.mark.parametrize("warm", ["sync", "thread", "off"])
-def test_gpu_load_refuses_corrupt_data(models, mode, where, warm, monkeypatch):
+@pytest.mark.parametrize("warm", ["sync", "off"])
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_gpu_load_refuses_corrupt_data(models, mode, where, warm, kernel, monkeypatch):
     from csi_pmem.loader import gpuverify
     from csi_pmem.loader.gpu import GpuLoader
     from csi_pmem.loader.model import open_model
@@ -187,6 +188,7 @@ def test_gpu_load_refuses_corrupt_data(models, mode, where, warm, monkeypatch):
             fh.seek(-1, 1)
             fh.write(b"\t")
     monkeypatch.setenv(gpuverify.WARM_ENV, warm)
+    monkeypatch.setenv(gpuverify.KERNEL_ENV, kernel)
     with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=2, mode=mode) as loader, \
             pytest.raises(ChecksumError, match="wsum64"):
         load_safetensors(str(vol), "cuda:0", loader=loader)
@@ -233,6 +235,51 @@ def test_sums_sharing_one_read_back_equal_the_host_sums():
                                              for a, b in spans]
     late = wsum.device_sums_async(dev[8:16], rb)  # noted after a read-back: read on its own
     assert late.result() == wsum.cpu_sums(data[8:16].tobytes())
+
+
+@cuda
+def test_the_checksum_kernel_equals_the_host_sums(monkeypatch):
+    """The kernel's sums (whole chunks in one launch, single ranges with a partial last
+    word, results over several pages read back more than once) equal numpy's."""
+    import numpy as np
+
+    from csi_pmem.loader import kernelsum, wsum
+
+    monkeypatch.setattr(kernelsum, "PAGE", 4)
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 256, 3 * 8 * wsum.ROW * 4 + 123, dtype=np.uint8)
+    dev = torch.from_numpy(data).cuda()
+    sums = kernelsum.KernelSums("cuda:0")
+    chunk = 8 * wsum.ROW * 4
+    first = sums.chunks(dev[:3 * chunk], chunk)
+    spans = [(0, len(data)), (8, 8 * wsum.ROW + 5), (16, 24), (0, 3), (40, 8 * wsum.ROW * 2)]
+    singles = [sums.range(dev[a:b]) for a, b in spans]
+    want = [wsum.cpu_sums(data[i * chunk:(i + 1) * chunk].tobytes()) for i in range(3)]
+    assert first() == want
+    assert [get() for get in singles] == [wsum.cpu_sums(data[a:b].tobytes()) for a, b in spans]
+    later = sums.range(dev[8:16])  # a slot of a page read before: read again
+    assert later() == wsum.cpu_sums(data[8:16].tobytes())
+    big = sums.chunks(dev[:3 * chunk], chunk // 2)  # more ranges than a page holds
+    assert big() == [wsum.cpu_sums(data[i * chunk // 2:(i + 1) * chunk // 2].tobytes())
+                     for i in range(6)]
+    assert sums.chunks(dev[:10], chunk)() == [] and sums.range(dev[:0])() == (0, 0)
+
+
+@cuda
+def test_a_verified_load_uses_the_kernel(models, monkeypatch):
+    """A default verified load sums with the project's kernel, not torch's reductions."""
+    from csi_pmem.loader import gpuverify, kernelsum, wsum
+
+    made = []
+    real = gpuverify.device_sums
+    monkeypatch.setattr(gpuverify, "device_sums", lambda device: made.append(
+        real(device)) or made[-1])
+    monkeypatch.delenv(gpuverify.KERNEL_ENV, raising=False)
+    vol = lm.staged_volume(models / "np", models / "v")
+    got = load_safetensors(str(vol), "cuda:0")
+    assert_same(got, reference(models / "np"))
+    assert made and all(isinstance(s, kernelsum.KernelSums) for s in made)
+    assert not any(isinstance(s, wsum.TorchSums) for s in made)
 
 
 @cuda

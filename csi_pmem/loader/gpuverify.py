@@ -46,6 +46,7 @@ TAIL_BATCH = 64 << 20
 WARM_ENV = "CSI_PMEM_VERIFY_WARM"
 WARM_MODES = ("sync", "thread", "off")
 WARM_DEFAULT = "off"
+KERNEL_ENV = "CSI_PMEM_VERIFY_KERNEL"  # "torch": torch's reductions instead of the kernel
 
 
 def batch_threshold(unlanded: int) -> int:
@@ -88,14 +89,13 @@ def device_plan(view: ModelView, fname: str, tensors: list[TensorInfo]) -> FileP
 
 
 def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
-                  indices: list[int], readback: wsum.Readback | None = None
-                  ) -> wsum.Pending:
+                  indices: list[int], sums: Any = None) -> wsum.Pending:
     """Queue the sums of the chunks ``indices`` of ``plan``'s file on the current
     stream; ``result()`` waits for them and returns the mismatches. ``buffer`` is the
     file's device buffer, whose byte ``first_dst`` holds the volume byte
-    ``plan.data_start``. The sums are read back with the rest of ``readback``."""
+    ``plan.data_start``. ``sums`` (:func:`device_sums`) computes and reads back."""
     entry, ds, size = plan.entry, plan.data_start - plan.entry.offset, plan.chunk_size
-    rb = readback or wsum.Readback()
+    sums = sums if sums is not None else wsum.TorchSums()
 
     def dev(rel_start: int, rel_end: int) -> Any:
         return buffer[first_dst + rel_start - ds:first_dst + rel_end - ds]
@@ -107,10 +107,10 @@ def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
     run: list[int] = []
     for i in [*full, None]:
         if run and (i is None or i != run[-1] + 1):
-            sums = wsum.device_chunk_sums_async(
-                dev(ranges[run[0]][0], ranges[run[-1]][0] + size), size, rb)
+            batch = wsum.Pending(sums.chunks(
+                dev(ranges[run[0]][0], ranges[run[-1]][0] + size), size))
             for k, index in enumerate(run):
-                got[index] = lambda sums=sums, k=k: sums.result()[k]
+                got[index] = lambda batch=batch, k=k: batch.result()[k]
             run = []
         if i is not None:
             run.append(i)
@@ -124,11 +124,11 @@ def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
             parts.append(lambda head=head: head)
         start = max(off, ds)
         if start < off + n:
-            part = wsum.device_sums_async(dev(start, off + n), rb)
+            part = sums.range(dev(start, off + n))
 
-            def shifted(part: wsum.Pending = part, words: int = (start - off) // 8
+            def shifted(part: Any = part, words: int = (start - off) // 8
                         ) -> tuple[int, int]:
-                s1, s2 = part.result()
+                s1, s2 = part()
                 return wsum.shift(s1, s2, words)
 
             parts.append(shifted)
@@ -144,6 +144,21 @@ def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
         return out
 
     return wsum.Pending(mismatches)
+
+
+def device_sums(device: Any) -> Any:
+    """What sums a check's chunks on ``device``: the project's kernel
+    (:class:`.kernelsum.KernelSums`), or torch's reductions where the kernel cannot be
+    loaded (no cuda-python, a driver that refuses it) or ``CSI_PMEM_VERIFY_KERNEL=torch``
+    asks for them. Call with ``device``'s context current (the check's thread)."""
+    if os.environ.get(KERNEL_ENV, "auto") != "torch":
+        try:
+            from csi_pmem.loader import kernelsum
+
+            return kernelsum.KernelSums(device)
+        except Exception as exc:  # ImportError, a CUDA error: the fallback works anyway
+            log.debug("checksum kernel unavailable (%s); using torch's reductions", exc)
+    return wsum.TorchSums()
 
 
 def check_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
@@ -195,7 +210,7 @@ class DeviceVerifier:
                  done: Callable[[list[checksum.Mismatch], BaseException | None], None],
                  warm: str | None = None):
         self.view, self.plans, self.device = view, plans, device
-        self._readback = wsum.Readback()
+        self._sums: Any = None  # device_sums(device), made by the warm-up or the thread
         self._done = done
         self._left = set(plans)
         self._progress = {f: _FileProgress(p) for f, p in plans.items()}
@@ -223,7 +238,9 @@ class DeviceVerifier:
 
     def _warm_up(self) -> None:
         try:
-            wsum.warm(self.device)
+            self._sums = device_sums(self.device)
+            if isinstance(self._sums, wsum.TorchSums):
+                wsum.warm(self.device)
         except Exception as exc:  # the check itself will fail and say so
             log.debug("warming the device check failed: %s", exc)
 
@@ -300,9 +317,10 @@ class DeviceVerifier:
                 import torch
 
                 with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                    if self._sums is None:
+                        self._sums = device_sums(self.device)
                     launched.append((launch_chunks(self.view, self.plans[fname], buffer,
-                                                   first_dst, ready, self._readback),
-                                     buffer))
+                                                   first_dst, ready, self._sums), buffer))
             except BaseException as exc:  # a device error: the check did not happen
                 log.error("checking %s on the device failed: %s", fname, exc)
                 exc_ = exc

@@ -235,6 +235,21 @@ def device_chunk_sums_async(buf: Any, chunk_bytes: int,
     return Pending(_pairs(readback or Readback(), *_row_sums(torch, block)))
 
 
+class TorchSums:
+    """Sums of device buffers by torch's reductions, read back together
+    (:class:`Readback`): the fallback of :class:`.kernelsum.KernelSums` (same interface)
+    where cuda-python or the kernel is not available."""
+
+    def __init__(self) -> None:
+        self._rb = Readback()
+
+    def chunks(self, buf: Any, chunk_bytes: int) -> Any:
+        return device_chunk_sums_async(buf, chunk_bytes, self._rb).result
+
+    def range(self, buf: Any) -> Any:
+        return device_sums_async(buf, self._rb).result
+
+
 def device_chunk_sums(buf: Any, chunk_bytes: int) -> list[tuple[int, int]]:
     """(s1, s2) of each ``chunk_bytes`` chunk of a uint8 CUDA tensor that holds whole
     chunks back to back (``chunk_bytes`` a multiple of 8 * ROW): one batched reduction."""
