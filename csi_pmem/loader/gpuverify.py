@@ -5,13 +5,14 @@ Why here and not on the host: hashing every byte on the host halved a verified l
 and what matters is that the bytes the model will use are the staged bytes, which is a
 check of the device copy itself. A file loaded whole holds its tensor bytes on the
 device exactly as on the volume (placement keeps contiguous runs contiguous and every
-offset's alignment), so each ``wsum64`` chunk is summed there in one batched reduction;
-the few bytes a chunk has before the tensor data (the safetensors header, which the
+offset's alignment), so each ``wsum64`` chunk is summed there, a run of whole chunks in
+one launch of the project's kernel (:mod:`.kernelsum`; torch's reductions where it
+cannot load, :func:`device_sums`); the few bytes a chunk has before the tensor data (the safetensors header, which the
 loader parsed from the mapping) are summed from the mapping, and the two parts combined
 (:func:`.wsum.shift`). Each file is checked as soon as it is complete, on a stream of
-its own, chunk by chunk as their tensors land; the reductions are queued without
-waiting and their results read once, after the last, so only the last chunks' check
-adds to the load.
+its own, chunk by chunk as their tensors land; the sums are queued without waiting and
+their results read back together, after the last, so only the last chunks' check adds
+to the load.
 
 What cannot be checked on the device goes to the host check (:func:`device_plan`
 returns None): a subset of a file's tensors (tensor parallelism: the chunks also hold
@@ -40,12 +41,6 @@ BATCH = 1 << 30  # bytes of complete chunks checked together, at most
 # the last batch's reduction and read-back come after the last copy, so a 1 GiB one
 # added its device time to every verified load.
 TAIL_BATCH = 64 << 20
-# When the check's kernels are first run (:func:`.wsum.warm`): "sync" when the load
-# starts, before its copies; "thread" on the checking thread, started with the load;
-# "off" at the first batch, beside the copies.
-WARM_ENV = "CSI_PMEM_VERIFY_WARM"
-WARM_MODES = ("sync", "thread", "off")
-WARM_DEFAULT = "off"
 KERNEL_ENV = "CSI_PMEM_VERIFY_KERNEL"  # "torch": torch's reductions instead of the kernel
 
 
@@ -207,10 +202,9 @@ class DeviceVerifier:
     """
 
     def __init__(self, view: ModelView, plans: dict[str, FilePlan], device: Any,
-                 done: Callable[[list[checksum.Mismatch], BaseException | None], None],
-                 warm: str | None = None):
+                 done: Callable[[list[checksum.Mismatch], BaseException | None], None]):
         self.view, self.plans, self.device = view, plans, device
-        self._sums: Any = None  # device_sums(device), made by the warm-up or the thread
+        self._sums: Any = None  # device_sums(device), made by the thread at its first batch
         self._done = done
         self._left = set(plans)
         self._progress = {f: _FileProgress(p) for f, p in plans.items()}
@@ -223,26 +217,15 @@ class DeviceVerifier:
         # No thread and no CUDA work until the first batch is queued: this runs when
         # a load starts, and whatever it did there (a thread asking for the GIL, a
         # stream) delayed the load's first copy by several ms in fresh processes.
+        # Measured on an H200 (fresh processes, 5 each): starting the thread and
+        # loading the kernel with the load gave a median of 40.95 GB/s against 43.93
+        # at the first batch; running torch's reductions once before the copies (the
+        # fallback's kernels) put the first copy 60 ms late.
         self._thread: threading.Thread | None = None
         self._closed = False  # failed before any batch: nothing will start a thread
         self._reported = False
-        self._warm = warm if warm is not None else os.environ.get(WARM_ENV, WARM_DEFAULT)
-        if self._warm not in WARM_MODES:
-            raise ValueError(f"{WARM_ENV}={self._warm!r}: want one of {', '.join(WARM_MODES)}")
         if not plans:
             self._finish()
-        elif self._warm == "sync":
-            self._warm_up()
-        elif self._warm == "thread":
-            self._start()
-
-    def _warm_up(self) -> None:
-        try:
-            self._sums = device_sums(self.device)
-            if isinstance(self._sums, wsum.TorchSums):
-                wsum.warm(self.device)
-        except Exception as exc:  # the check itself will fail and say so
-            log.debug("warming the device check failed: %s", exc)
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="verify-gpu", daemon=True)
@@ -289,8 +272,6 @@ class DeviceVerifier:
                 self._error = self._error or exc
             self._finish()
             return
-        if self._warm == "thread":
-            self._warm_up()
         try:
             self._check_all(stream)
         except BaseException as exc:  # a bug here must still end the check

@@ -254,22 +254,3 @@ def device_chunk_sums(buf: Any, chunk_bytes: int) -> list[tuple[int, int]]:
     """(s1, s2) of each ``chunk_bytes`` chunk of a uint8 CUDA tensor that holds whole
     chunks back to back (``chunk_bytes`` a multiple of 8 * ROW): one batched reduction."""
     return device_chunk_sums_async(buf, chunk_bytes).result()
-
-
-def warm(device: Any) -> None:
-    """Run every kernel of a device check once, on a few zero words, and wait.
-
-    Why: a fresh process loads a kernel's code the first time it launches it, and the
-    first launch of the check's reductions took 7.6 ms on an H200, holding a driver
-    lock that stopped the load's copy threads: the copy engine sat idle for 5.5 ms in
-    the middle of a verified load (a fresh process's trace). Run while nothing is being
-    copied, the same first launches cost the load only their own time.
-    """
-    torch = _torch()
-    with torch.cuda.device(device):
-        rb = Readback()
-        buf = torch.zeros(2 * 2 * ROW * 8 + 8 * 3 + 5, dtype=torch.uint8, device=device)
-        chunks = device_chunk_sums_async(buf[:2 * 2 * ROW * 8], 2 * ROW * 8, rb)
-        whole = device_sums_async(buf, rb)
-        if chunks.result() != [(0, 0), (0, 0)] or whole.result() != (0, 0):
-            raise RuntimeError("the device check summed zeros to something else")

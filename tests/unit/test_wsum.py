@@ -187,8 +187,7 @@ def test_device_verifier_starts_nothing_before_a_batch_and_reports_a_failure_onc
 
     entry, size, plans = _one_file_plan()
     reports = []
-    v = DeviceVerifier(None, plans, None, lambda bad, exc: reports.append((bad, exc)),
-                       warm="off")
+    v = DeviceVerifier(None, plans, None, lambda bad, exc: reports.append((bad, exc)))
     v.submit(entry.name, None, 0, entry.offset, entry.offset + size // 2)  # no chunk yet
     assert v._thread is None and reports == []
     v.fail(RuntimeError("copy failed"))
@@ -219,35 +218,3 @@ def test_device_verifier_without_a_stream_reports_why(monkeypatch):
     assert done.wait(10)
     v._thread.join(10)
     assert [str(exc) for _, exc in reports] == ["no stream here"]
-
-
-def test_device_verifier_warm_modes(monkeypatch):
-    """The environment picks when the check's kernels first run; a mode it does not know
-    is refused with the valid ones named; "thread" starts the checking thread with the
-    load, and a load that then fails still gets its one report."""
-    from csi_pmem.loader import gpuverify, wsum
-
-    entry, _, plans = _one_file_plan()
-    monkeypatch.setenv(gpuverify.WARM_ENV, "eager")
-    with pytest.raises(ValueError, match="sync, thread, off"):
-        gpuverify.DeviceVerifier(None, plans, None, lambda bad, exc: None)
-    warmed = []
-    monkeypatch.setattr(wsum, "warm", warmed.append)
-    monkeypatch.setenv(gpuverify.WARM_ENV, "sync")
-    v = gpuverify.DeviceVerifier(None, plans, "dev0", lambda bad, exc: None)
-    assert warmed == ["dev0"] and v._thread is None
-    monkeypatch.setattr(gpuverify.streams, "driver_stream", lambda device: (None, lambda: None))
-    done = threading.Event()
-    reports = []
-
-    def report(bad, exc):
-        reports.append((bad, exc))
-        done.set()
-
-    v = gpuverify.DeviceVerifier(None, plans, "dev1", report, warm="thread")
-    assert v._thread is not None
-    v.fail(RuntimeError("copy failed"))
-    assert done.wait(10)
-    v._thread.join(10)
-    assert warmed == ["dev0", "dev1"]
-    assert [(bad, str(exc)) for bad, exc in reports] == [([], "copy failed")]
