@@ -7,9 +7,9 @@ check of the device copy itself. A file loaded whole holds its tensor bytes on t
 device exactly as on the volume (placement keeps contiguous runs contiguous and every
 offset's alignment), so each ``wsum64`` chunk is summed there, a run of whole chunks in
 one launch of the project's kernel (:mod:`.kernelsum`; torch's reductions where it
-cannot load, :func:`device_sums`); the few bytes a chunk has before the tensor data (the safetensors header, which the
-loader parsed from the mapping) are summed from the mapping, and the two parts combined
-(:func:`.wsum.shift`). Each file is checked as soon as it is complete, on a stream of
+cannot load, :func:`device_sums`). The few bytes a chunk has before the tensor data
+(the safetensors header, which the loader parsed from the mapping) are summed from the
+mapping, and the two parts combined (:func:`.wsum.shift`). Each file is checked as soon as it is complete, on a stream of
 its own, chunk by chunk as their tensors land; the sums are queued without waiting and
 their results read back together, after the last, so only the last chunks' check adds
 to the load.
