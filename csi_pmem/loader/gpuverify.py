@@ -9,10 +9,10 @@ offset's alignment), so each ``wsum64`` chunk is summed there, a run of whole ch
 one launch of the project's kernel (:mod:`.kernelsum`; torch's reductions where it
 cannot load, :func:`device_sums`). The few bytes a chunk has before the tensor data
 (the safetensors header, which the loader parsed from the mapping) are summed from the
-mapping, and the two parts combined (:func:`.wsum.shift`). Each file is checked as soon as it is complete, on a stream of
-its own, chunk by chunk as their tensors land; the sums are queued without waiting and
-their results read back together, after the last, so only the last chunks' check adds
-to the load.
+mapping, and the two parts combined (:func:`.wsum.shift`). Each file is checked as
+soon as it is complete, on a stream of its own, chunk by chunk as their tensors land.
+The sums are queued without waiting and read back together after the last, so only
+the last chunks' check adds to the load.
 
 What cannot be checked on the device goes to the host check (:func:`device_plan`
 returns None): a subset of a file's tensors (tensor parallelism: the chunks also hold
