@@ -236,13 +236,14 @@ def test_sums_sharing_one_read_back_equal_the_host_sums():
 
 @cuda
 def test_the_checksum_kernel_equals_the_host_sums(monkeypatch):
-    """The kernel's sums (whole chunks in one launch, single ranges with a partial last
-    word, results over several pages read back more than once) equal numpy's."""
+    """The kernel's sums (whole chunks split over launches, single ranges with a partial
+    last word, results over several pages read back more than once) equal numpy's."""
     import numpy as np
 
     from csi_pmem.loader import kernelsum, wsum
 
     monkeypatch.setattr(kernelsum, "PAGE", 4)
+    monkeypatch.setattr(kernelsum, "MAX_RANGES", 2)  # 3 and 6 chunks: several launches
     rng = np.random.default_rng(7)
     data = rng.integers(0, 256, 3 * 8 * wsum.ROW * 4 + 123, dtype=np.uint8)
     dev = torch.from_numpy(data).cuda()

@@ -156,12 +156,6 @@ def device_sums(device: Any) -> Any:
     return wsum.TorchSums()
 
 
-def check_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
-                 indices: list[int]) -> list[checksum.Mismatch]:
-    """:func:`launch_chunks`, waited for: the mismatches."""
-    return launch_chunks(view, plan, buffer, first_dst, indices).result()
-
-
 class _FileProgress:
     """Which bytes of one file are on the device, and which chunks are still unchecked."""
 

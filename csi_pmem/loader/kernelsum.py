@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 PAGE = 1024  # slots (ranges) per page of results
 MAX_BLOCKS = 128  # blocks per range
+MAX_RANGES = 65535  # ranges per launch: CUDA's limit on a grid's y dimension
 WORDS_PER_THREAD = 64  # at least, before a range gets a second block
 
 _functions: dict[int, Any] = {}  # device ordinal -> the kernel, loaded once per process
@@ -78,6 +79,13 @@ def function(ordinal: int) -> Any:
 def grid_x(range_bytes: int) -> int:
     """Blocks per range: one per BLOCK * WORDS_PER_THREAD words, 1 to MAX_BLOCKS."""
     return max(1, min(MAX_BLOCKS, range_bytes // 8 // (wsum_kernel.BLOCK * WORDS_PER_THREAD)))
+
+
+def launches(ranges: int) -> list[tuple[int, int]]:
+    """(first range, ranges) of each launch for ``ranges`` ranges: a tensor that lands
+    whole completes all its chunks at once, more than one grid holds at small chunk
+    sizes (10 GB of 32 KiB chunks is 320,000)."""
+    return [(at, min(MAX_RANGES, ranges - at)) for at in range(0, ranges, MAX_RANGES)]
 
 
 class KernelSums:
@@ -144,7 +152,9 @@ class KernelSums:
             return list
         page, first = self._slots(n)
         out = self._pages[page].data_ptr() + 16 * first
-        self._launch(buf.data_ptr(), chunk_bytes, n, chunk_bytes, out)
+        for at, count in launches(n):
+            self._launch(buf.data_ptr() + at * chunk_bytes, chunk_bytes, count, chunk_bytes,
+                         out + 16 * at)
         return lambda: [self._pair(page, first + i) for i in range(n)]
 
     def range(self, buf: Any) -> Callable[[], tuple[int, int]]:

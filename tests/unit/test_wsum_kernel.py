@@ -46,6 +46,14 @@ def test_grid_width_grows_with_the_range_and_is_capped():
     assert kernelsum.grid_x(1 << 40) == kernelsum.MAX_BLOCKS
 
 
+def test_a_batch_larger_than_a_grid_is_split_into_launches():
+    m = kernelsum.MAX_RANGES
+    assert kernelsum.launches(0) == []
+    assert kernelsum.launches(5) == [(0, 5)]
+    assert kernelsum.launches(m) == [(0, m)]
+    assert kernelsum.launches(2 * m + 3) == [(0, m), (m, m), (2 * m, 3)]
+
+
 def test_without_the_kernel_the_check_uses_torch(monkeypatch):
     """No torch or CUDA here, so the kernel cannot load: the check falls back (and
     CSI_PMEM_VERIFY_KERNEL=torch asks for the fallback without trying)."""
