@@ -131,6 +131,11 @@ class KernelSums:
 
     def _launch(self, ptr: int, range_bytes: int, ranges: int, stride: int,
                 out: int) -> None:
+        if ptr % 8 or stride % 8:
+            # The kernel reads 64-bit words: a misaligned one would be a device fault,
+            # which poisons the whole CUDA context, not an error of this check.
+            raise ValueError(f"the checksum kernel needs 8-byte aligned ranges, got "
+                             f"address {ptr:#x} and stride {stride}")
         stream = self._torch.cuda.current_stream(self.device).cuda_stream
         self._check(self._cu, self._cu.cuLaunchKernel(
             self._fn, grid_x(range_bytes), ranges, 1, wsum_kernel.BLOCK, 1, 1, 0, stream,

@@ -54,6 +54,15 @@ def test_a_batch_larger_than_a_grid_is_split_into_launches():
     assert kernelsum.launches(2 * m + 3) == [(0, m), (m, m), (2 * m, 3)]
 
 
+@pytest.mark.parametrize("ptr,stride", [(0x1004, 0), (0x1000, 12)])
+def test_a_misaligned_range_is_refused_before_the_device_sees_it(ptr, stride):
+    """A misaligned word read would be a device fault that poisons the CUDA context; the
+    check refuses it instead, before any driver call (there is no driver here)."""
+    sums = kernelsum.KernelSums.__new__(kernelsum.KernelSums)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        sums._launch(ptr, 64, 2, stride, 0x2000)
+
+
 def test_without_the_kernel_the_check_uses_torch(monkeypatch):
     """No torch or CUDA here, so the kernel cannot load: the check falls back (and
     CSI_PMEM_VERIFY_KERNEL=torch asks for the fallback without trying)."""
