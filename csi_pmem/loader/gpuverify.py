@@ -311,8 +311,10 @@ class DeviceVerifier:
         bad, exc_ = self._collect(stream, launched)
         # Drop every device tensor before the result is out: a process may exit as soon
         # as it is, and tensors freed by this thread during interpreter teardown would
-        # reach a CUDA runtime that is going away (an abort at exit).
+        # reach a CUDA runtime that is going away (an abort at exit). The sums hold
+        # their results' device memory.
         launched.clear()
+        self._sums = None
         with self._wake:
             self._bad += bad
             if exc_ is not None and self._error is None:
