@@ -429,6 +429,8 @@ class _Plan:
 
     Every path (bounce, registered, hybrid, node) plans the same way and differs only
     in how it cuts runs into transfers; ``done`` may be called from several threads.
+    The native bounce loop's plan is :meth:`of_flat`: its chunks stay in the loop's
+    own arrays (``flat``) and are reported by index (:meth:`done_index`).
     """
 
     def __init__(self, targets: list[FileTarget],
@@ -436,12 +438,25 @@ class _Plan:
                  finish: Callable[[FileTarget, str], None]):
         self.targets, self._finish = targets, finish
         self.chunks: list[planning.Chunk] = []
+        self.flat: native.Flat | None = None
         self.completions: list[planning.Completion] = []
         for i, target in enumerate(targets):
             file_chunks = split(target.placements, i, len(self.chunks))
             self.completions.append(planning.Completion(target.placements, file_chunks))
             self.chunks += file_chunks
         self._lock = threading.Lock()
+
+    @classmethod
+    def of_flat(cls, targets: list[FileTarget], flat: native.Flat,
+                finish: Callable[[FileTarget, str], None]) -> _Plan:
+        plan = cls(targets, lambda ps, i, seq: [], finish)
+        plan.flat = flat
+        plan.completions = [planning.Completion.of_spans(t.placements, *flat.bounds(i))
+                            for i, t in enumerate(targets)]
+        return plan
+
+    def __len__(self) -> int:
+        return len(self.flat) if self.flat is not None else len(self.chunks)
 
     def ready(self, target: int | None = None) -> None:
         """Finish the zero-byte tensors (of one target, or of all)."""
@@ -450,9 +465,17 @@ class _Plan:
                 self._finish(self.targets[i], name)
 
     def done(self, chunk: planning.Chunk) -> None:
+        self._done(chunk.seq, chunk.target, chunk.dst, chunk.nbytes)
+
+    def done_index(self, index: int) -> None:
+        """Chunk ``index`` of the flat plan landed."""
+        assert self.flat is not None
+        self._done(index, *self.flat.span(index))
+
+    def _done(self, seq: int, target: int, dst: int, nbytes: int) -> None:
         with self._lock:
-            for name in self.completions[chunk.target].done(chunk):
-                self._finish(self.targets[chunk.target], name)
+            for name in self.completions[target].done_span(seq, dst, nbytes):
+                self._finish(self.targets[target], name)
 
 
 def choose_path(mode: str, volume: Volume, loads: int, registered: bool,
@@ -813,23 +836,29 @@ class GpuLoader:
         steps = [time.monotonic()]
         self._allocate(targets)
         steps.append(time.monotonic())
-        plan = _Plan(targets, lambda ps, i, seq: planning.bounce_chunks(
-            ps, self.buffer_size, i, seq), finish)
-        plan.ready()
-        steps.append(time.monotonic())
         pipe = self._pipeline(view.volume.numa_node)
         backend = self._backend
         assert backend is not None
         backend.targets = [t.buffer for t in targets]
-        # The device buffers were allocated on the current stream; order ours after it.
-        backend.stream.wait_stream(torch.cuda.current_stream(self.device))
-        steps.append(time.monotonic())
-        # Everything here comes before the first byte moves: say what each part cost.
-        log.debug("bounce load: device memory %.2f ms, plan of %d chunks %.2f ms, buffers "
-                  "and stream %.2f ms", (steps[1] - steps[0]) * 1e3, len(plan.chunks),
-                  (steps[2] - steps[1]) * 1e3, (steps[3] - steps[2]) * 1e3)
-        lib = native.library() if isinstance(backend._copy, _DriverCopy) else None
         try:
+            # The device buffers were allocated on the current stream; order ours after it.
+            backend.stream.wait_stream(torch.cuda.current_stream(self.device))
+            steps.append(time.monotonic())
+            lib = native.library() if isinstance(backend._copy, _DriverCopy) else None
+            if lib is None:
+                plan = _Plan(targets, lambda ps, i, seq: planning.bounce_chunks(
+                    ps, self.buffer_size, i, seq), finish)
+            else:  # the native loop's own layout, cut by the library (no Chunk objects)
+                plan = _Plan.of_flat(targets, native.plan_bounce(
+                    [t.placements for t in targets], [b.data_ptr() for b in backend.targets],
+                    self.buffer_size, lib), finish)
+            plan.ready()
+            steps.append(time.monotonic())
+            # Everything here comes before the first byte moves: say what each part cost.
+            log.debug("bounce load: device memory %.2f ms, buffers and stream %.2f ms, plan "
+                      "of %d chunks %.2f ms", (steps[1] - steps[0]) * 1e3,
+                      (steps[2] - steps[1]) * 1e3, len(plan),
+                      (steps[3] - steps[2]) * 1e3)
             if lib is None:
                 pipe.run(plan.chunks, view.volume.address, plan.done)
             else:
@@ -842,13 +871,12 @@ class GpuLoader:
         """The bounce load through the native loop (:mod:`.native`): the same chunks,
         buffers, stream and events as the Python pipeline, no Python work per chunk."""
         copy = backend._copy
-        assert isinstance(copy, _DriverCopy)
+        assert isinstance(copy, _DriverCopy) and plan.flat is not None
         arena = backend.arena
         ready = bytearray(1 if r else 0 for r in arena._ready)
         try:
-            native.run(plan.chunks, [t.data_ptr() for t in backend.targets],
-                       view.volume.address, backend.addresses, ready, self.buffer_size,
-                       plan.done, events=[int(e) for e in copy.events],
+            native.run(plan.flat, view.volume.address, backend.addresses, ready,
+                       self.buffer_size, plan.done_index, events=[int(e) for e in copy.events],
                        stream=int(backend.stream.cuda_stream), ctx=int(copy._ctx),
                        threads=threads, cpus=node_cpus(view.volume.numa_node),
                        src_fd=native.source_fd(view.volume.read_fd()), lib=lib)

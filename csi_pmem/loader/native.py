@@ -16,6 +16,7 @@ a package, so that nothing that walks the loader's modules mistakes it for one.
 from __future__ import annotations
 
 import array
+import bisect
 import ctypes
 import importlib.machinery
 import logging
@@ -25,8 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from csi_pmem.loader import plan as planning
 from csi_pmem.loader.errors import LoaderError
-from csi_pmem.loader.plan import Chunk
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ def library() -> ctypes.CDLL | None:
                     lib = ctypes.CDLL(str(path))
                     lib.csi_bounce_run.argtypes = [ctypes.POINTER(Job)]
                     lib.csi_bounce_run.restype = ctypes.c_int
+                    lib.csi_bounce_plan.restype = ctypes.c_int
                     _lib = lib
                 except OSError as exc:
                     log.warning("cannot load the native bounce loop %s (%s); using the "
@@ -116,13 +118,96 @@ def _u64(values: Sequence[int]) -> array.array:
     return array.array("Q", values)
 
 
-def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
-        buffers: Sequence[int], ready: bytearray, buffer_size: int,
-        on_done: Callable[[Chunk], None], *, events: Sequence[int] = (), stream: int = 0,
+class Flat:
+    """A bounce load's chunks in the native loop's own layout, and where each came from.
+
+    ``chunks`` holds four words per chunk (device address, bytes, first piece, pieces),
+    ``pieces`` three per piece (source offset, buffer offset, bytes); the chunks of
+    target ``t`` are ``first[t]`` up to ``first[t + 1]``, with device addresses from
+    ``bases[t]``. A chunk's index is its ``seq``: :meth:`span` says where it lands
+    relative to its target, which is all that completion needs, so no per-chunk Python
+    object is made for a load of thousands of chunks.
+    """
+
+    def __init__(self, chunks: array.array, pieces: array.array, first: list[int],
+                 bases: Sequence[int]):
+        self.chunks, self.pieces, self.first = chunks, pieces, first
+        self.bases = list(bases)
+
+    def __len__(self) -> int:
+        return self.first[-1]
+
+    def target(self, index: int) -> int:
+        return bisect.bisect_right(self.first, index) - 1
+
+    def span(self, index: int) -> tuple[int, int, int]:
+        """``(target, dst, nbytes)`` of chunk ``index``, ``dst`` relative to its target."""
+        t = self.target(index)
+        return t, self.chunks[4 * index] - self.bases[t], self.chunks[4 * index + 1]
+
+    def bounds(self, target: int) -> tuple[list[int], list[int]]:
+        """Starts and ends (relative) of ``target``'s chunks, in plan (device) order."""
+        lo, hi = self.first[target], self.first[target + 1]
+        base = self.bases[target]
+        starts = [a - base for a in self.chunks[4 * lo:4 * hi:4]]
+        sizes = self.chunks[4 * lo + 1:4 * hi:4]
+        return starts, [s + n for s, n in zip(starts, sizes, strict=True)]
+
+
+def flatten(chunks_by_target: Sequence[Sequence[planning.Chunk]],
+            bases: Sequence[int]) -> Flat:
+    """:class:`Flat` from chunks planned in Python (tests; any chunk shape)."""
+    flat_chunks: list[int] = []
+    flat_pieces: list[int] = []
+    first = [0]
+    for target, chunks in enumerate(chunks_by_target):
+        for c in chunks:
+            flat_chunks += (bases[target] + c.dst, c.nbytes, len(flat_pieces) // 3,
+                            len(c.pieces))
+            for p in c.pieces:
+                flat_pieces += (p.src, p.buf_off, p.nbytes)
+        first.append(first[-1] + len(chunks))
+    return Flat(_u64(flat_chunks), _u64(flat_pieces), first, bases)
+
+
+def plan_bounce(placements_by_target: Sequence[list[planning.Placement]],
+                bases: Sequence[int], buffer_size: int,
+                lib: ctypes.CDLL | None = None) -> Flat:
+    """The chunks :func:`csi_pmem.loader.plan.bounce_chunks` would make for each
+    target, cut by the native library straight into its own layout."""
+    lib = lib or library()
+    if lib is None:
+        raise LoaderError("the native bounce loop is not available")
+    if buffer_size <= 0:
+        raise ValueError("buffer_size must be positive")
+    all_runs = [planning.runs(ps) for ps in placements_by_target]
+    cap = sum(-(-n // buffer_size) for rs in all_runs for _, _, n in rs)
+    chunks, pieces = _u64(bytes(8 * 4 * cap)), _u64(bytes(8 * 3 * cap))
+    nchunks, npieces = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    first = [0]
+    for rs, base in zip(all_runs, bases, strict=True):
+        flat_runs = _u64([x for run in rs for x in run] or [0])
+        rc = lib.csi_bounce_plan(
+            ctypes.c_void_p(flat_runs.buffer_info()[0]), ctypes.c_uint64(len(rs)),
+            ctypes.c_uint64(buffer_size), ctypes.c_uint64(base),
+            ctypes.c_void_p(chunks.buffer_info()[0]), ctypes.byref(nchunks),
+            ctypes.c_void_p(pieces.buffer_info()[0]), ctypes.byref(npieces),
+            ctypes.c_uint64(cap))
+        if rc != 0:  # the bound above is exact arithmetic: a bug, not an input error
+            raise LoaderError("the native planner ran out of room")
+        first.append(nchunks.value)
+    del chunks[4 * nchunks.value:]
+    del pieces[3 * npieces.value:]
+    return Flat(chunks, pieces, first, bases)
+
+
+def run(plan: Flat, src_base: int, buffers: Sequence[int], ready: bytearray,
+        buffer_size: int, on_done: Callable[[int], None], *, events: Sequence[int] = (),
+        stream: int = 0,
         ctx: int = 0, threads: int = 1, cpus: Sequence[int] = (), fake: bool = False,
         src_fd: int = -1, lib: ctypes.CDLL | None = None) -> None:
-    """Move ``chunks`` through ``buffers``; call ``on_done`` in this thread for each
-    chunk once its bytes landed (``dst_base[chunk.target] + chunk.dst``).
+    """Move ``plan``'s chunks through ``buffers``; call ``on_done`` in this thread with
+    each chunk's index once its bytes landed.
 
     ``ready[i]`` says pinned buffer ``i`` is faulted in and registered; the native loop
     prepares the others on first use and sets their flag (the caller records them for
@@ -137,16 +222,9 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
         raise LoaderError("the native bounce loop is not available")
     if len(ready) != len(buffers):
         raise ValueError("one ready flag per buffer")
-    flat_chunks: list[int] = []
-    flat_pieces: list[int] = []
     started = time.monotonic()
-    for c in chunks:
-        flat_chunks += (dst_base[c.target] + c.dst, c.nbytes, len(flat_pieces) // 3,
-                        len(c.pieces))
-        for p in c.pieces:
-            flat_pieces += (p.src, p.buf_off, p.nbytes)
-    # The arrays live in this frame until the call returns.
-    a_chunks, a_pieces = _u64(flat_chunks), _u64(flat_pieces or [0])
+    # The arrays live in this frame (or in plan) until the call returns.
+    a_chunks, a_pieces = plan.chunks or _u64([0]), plan.pieces or _u64([0])
     a_buffers, a_events = _u64(buffers), _u64(events or [0] * len(buffers))
     a_cpus = array.array("q", cpus or [0])
     a_ready = (ctypes.c_uint8 * len(ready)).from_buffer(ready)
@@ -159,7 +237,7 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
         if src_fd >= 0:
             os.close(src_fd)
         raise
-    job = Job(chunks=a_chunks.buffer_info()[0], nchunks=len(chunks),
+    job = Job(chunks=a_chunks.buffer_info()[0], nchunks=len(plan),
               pieces=a_pieces.buffer_info()[0], src_base=src_base,
               buffers=a_buffers.buffer_info()[0], ready=ctypes.addressof(a_ready),
               nbuffers=len(buffers), buffer_size=buffer_size,
@@ -174,7 +252,7 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
         finally:
             os.close(write_fd)  # EOF for the reader once every worker has returned
 
-    log.debug("native loop: %d chunks handed over in %.2f ms", len(chunks),
+    log.debug("native loop: %d chunks handed over in %.2f ms", len(plan),
               (time.monotonic() - started) * 1e3)
     runner = threading.Thread(target=call, name="bounce-native", daemon=True)
     error: BaseException | None = None
@@ -202,7 +280,7 @@ def run(chunks: Sequence[Chunk], dst_base: Sequence[int], src_base: int,
                 continue  # drain, so that no worker blocks on a full pipe
             for index in array.array("I", data):
                 try:
-                    on_done(chunks[index])
+                    on_done(index)
                 except BaseException as exc:
                     error = exc
                     job.stop = 1

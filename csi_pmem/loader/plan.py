@@ -163,13 +163,25 @@ class Completion:
     """
 
     def __init__(self, placements: list[Placement], chunks: list[Chunk]):
+        self._setup(placements, sorted(c.dst for c in chunks),
+                    sorted(c.dst + c.nbytes for c in chunks))
+
+    @classmethod
+    def of_spans(cls, placements: list[Placement], starts: list[int],
+                 ends: list[int]) -> Completion:
+        """The same from the chunks' device starts and ends (a flat plan's chunks are
+        in device order already, and sorting a sorted list is one linear pass)."""
+        self = cls.__new__(cls)
+        self._setup(placements, sorted(starts), sorted(ends))
+        return self
+
+    def _setup(self, placements: list[Placement], starts: list[int],
+               ends: list[int]) -> None:
         self.ready = [p.name for p in placements if p.nbytes == 0]
         live = sorted((p for p in placements if p.nbytes), key=lambda p: p.dst)
         self._names = [p.name for p in live]
         self._starts = [p.dst for p in live]
         self._ends = [p.dst + p.nbytes for p in live]
-        starts = sorted(c.dst for c in chunks)
-        ends = sorted(c.dst + c.nbytes for c in chunks)
         # Sorted each by itself, intervals do not overlap exactly when every end is at
         # most the next start.
         if any(e > s for e, s in zip(ends, starts[1:], strict=False)) or \
@@ -182,11 +194,16 @@ class Completion:
         self._seen: set[int] = set()
 
     def done(self, chunk: Chunk) -> list[str]:
-        if chunk.seq in self._seen:
+        return self.done_span(chunk.seq, chunk.dst, chunk.nbytes)
+
+    def done_span(self, seq: int, dst: int, nbytes: int) -> list[str]:
+        """The tensors that chunk ``seq`` (``nbytes`` at ``dst``) finishes; a chunk
+        reported twice counts once."""
+        if seq in self._seen:
             return []
-        self._seen.add(chunk.seq)
-        first = bisect.bisect_right(self._ends, chunk.dst)
-        last = bisect.bisect_left(self._starts, chunk.dst + chunk.nbytes)
+        self._seen.add(seq)
+        first = bisect.bisect_right(self._ends, dst)
+        last = bisect.bisect_left(self._starts, dst + nbytes)
         finished = []
         for name in self._names[first:last]:
             self._left[name] -= 1
