@@ -264,15 +264,15 @@ def run(plan: Flat, src_base: int, buffers: Sequence[int], ready: bytearray,
                 os.close(fd)
         raise
     try:
-        rest = b""
+        rest, first = b"", True
         while True:
             data = os.read(read_fd, 65536)  # releases the GIL while it waits
             if not data:
                 break
-            if started:
+            if first:
+                first = False
                 log.debug("native loop: first chunk on the device %.2f ms after the "
                           "hand-over began", (time.monotonic() - started) * 1e3)
-                started = 0.0
             data, rest = rest + data, b""
             cut = len(data) - len(data) % 4
             data, rest = data[:cut], data[cut:]
