@@ -17,7 +17,7 @@ every load goes through it.
 
 Usage: benchmarks/profile_ab.py VOLUME --config 'drv||--no-verify'
          --config 'torch|CSI_PMEM_BOUNCE_COPY=torch|--no-verify' [--reps 3] [--json F]
-         [--trace-dir DIR] [--node DIR]
+         [--trace-dir DIR] [--log-dir DIR] [--node DIR]
 """
 
 from __future__ import annotations
@@ -51,11 +51,13 @@ def parse_config(text: str) -> tuple[str, dict[str, str], list[str]]:
 
 
 def one(volume: str, env: dict[str, str], args: list[str], timeout: float,
-        trace: str | None = None, node: bool = False) -> dict:
+        trace: str | None = None, node: bool = False, log: str | None = None) -> dict:
     e = dict(os.environ, **({} if node else {"CSI_PMEM_GPU_COPY": "off"}), **env)
     cmd = [sys.executable, str(PROFILE), volume, *([] if node else ["--no-node"]), *args,
-           *(["--trace", trace] if trace else [])]
+           *(["--trace", trace] if trace else []), *(["--log"] if log else [])]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+    if log:
+        Path(log).write_text(r.stderr)
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or not lines:
         return {"returncode": r.returncode, "error": r.stderr.strip()[-800:]}
@@ -76,6 +78,9 @@ def main() -> int:
     p.add_argument("--json", help="write every load and the summary here")
     p.add_argument("--trace-dir", help="trace every load (profile_load.py --trace) into "
                    "LABEL-REP.json here; the summaries add the device's numbers")
+    p.add_argument("--log-dir", help="run every load with profile_load.py --log and keep "
+                   "its debug lines (what each step before the first copy cost) in "
+                   "LABEL-REP.log here")
     p.add_argument("--node", metavar="DIR", help="publish VOLUME at DIR with the node's copy "
                    "service and load through it")
     a = p.parse_args()
@@ -89,15 +94,18 @@ def main() -> int:
 
 
 def run(a: argparse.Namespace) -> int:
-    if a.trace_dir:
-        os.makedirs(a.trace_dir, exist_ok=True)
+    for d in (a.trace_dir, a.log_dir):
+        if d:
+            os.makedirs(d, exist_ok=True)
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in a.config}
     for rep in range(a.reps):
         for label, env, args in a.config:
             try:
                 trace = (os.path.join(a.trace_dir, f"{label}-{rep + 1}.json")
                          if a.trace_dir else None)
-                r = one(a.volume, env, args, a.timeout_s, trace, node=bool(a.node))
+                log = (os.path.join(a.log_dir, f"{label}-{rep + 1}.log")
+                       if a.log_dir else None)
+                r = one(a.volume, env, args, a.timeout_s, trace, node=bool(a.node), log=log)
             except subprocess.TimeoutExpired:
                 r = {"returncode": None, "error": f"no result in {a.timeout_s} s"}
             runs[label].append(r)

@@ -66,3 +66,18 @@ def test_a_traced_node_load_passes_the_trace_and_keeps_the_service_on(tmp_path, 
     monkeypatch.delenv("CSI_PMEM_GPU_COPY", raising=False)
     r = profile_ab.one("/dir", {}, [], timeout=30, trace="/t/x.json", node=True)
     assert r["path"] == "node" and r["device"] == {"trace": "/t/x.json"}
+
+
+def test_a_logged_load_keeps_its_debug_lines(tmp_path, monkeypatch):
+    """``--log-dir``: profile_load.py runs with --log and its stderr is kept per load."""
+    fake = tmp_path / "profile_load.py"
+    fake.write_text("import json, sys\n"
+                    "assert '--log' in sys.argv\n"
+                    "print('DEBUG bounce load: plan of 3 chunks', file=sys.stderr)\n"
+                    "print(json.dumps({'path': 'bounce', 'bytes': 10**9, 'gbps_total': 40.0,\n"
+                    "                  'phases_ms': {}}))\n")
+    monkeypatch.setattr(profile_ab, "PROFILE", fake)
+    log = tmp_path / "a-1.log"
+    r = profile_ab.one("/vol", {}, [], timeout=30, log=str(log))
+    assert r["returncode"] == 0
+    assert "plan of 3 chunks" in log.read_text()
