@@ -451,6 +451,66 @@ def test_the_node_copy_service_loads_bit_exact(models, tmp_path, verify):
 
 
 @node_copy
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_node_copied_file_in_two_allocations_is_bit_exact(tmp_path, monkeypatch, verify):
+    """The first file's head is its own exportable allocation (gpu.NODE_HEAD, shrunk
+    here to 4 MiB so that a 16 MiB tensor spans the cut): its copies stop at the cut,
+    both parts are copied into, and the tensors are views across both."""
+    from csi_pmem.gpucopy.standalone import published
+    from csi_pmem.loader import gpu as gpu_mod
+    from csi_pmem.loader import nodecopy
+    from csi_pmem.loader.gpu import GpuLoader
+
+    made: list[list[tuple[int, int]]] = []
+    real = nodecopy.ExportableAllocation
+
+    class Recording(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(list(self.parts))
+
+    monkeypatch.setattr(nodecopy, "ExportableAllocation", Recording)
+    monkeypatch.setattr(gpu_mod, "NODE_HEAD", 4 << 20)
+    lm.large_model(tmp_path / "big", 16 << 20)
+    vol = lm.staged_volume(tmp_path / "big", tmp_path / "v")
+    with published(str(vol), str(tmp_path / "pub")) as directory, \
+            GpuLoader("cuda:0") as loader:
+        handle = start_load(directory, "cuda:0", loader=loader, verify=verify)
+        got = handle.result(timeout=60)
+        assert handle.path == "node" and loader.node_copy_refused is None
+    assert made and made[0][0] == (0, 4 << 20) and len(made[0]) == 2
+    assert_same(got, reference(tmp_path / "big"))
+
+
+@node_copy
+def test_an_allocation_in_two_parts_is_one_range():
+    """Both parts mapped back to back: a tensor over the whole range reads what was
+    written across the cut, and each part exports its own fd."""
+    import os
+
+    from csi_pmem.loader.nodecopy import ExportableAllocation
+
+    alloc = ExportableAllocation(0, 8 << 20, head=2 << 20)
+    try:
+        assert alloc.parts == [(0, 2 << 20), (2 << 20, 6 << 20)]
+        alloc.map_all()
+        t = torch.as_tensor(alloc, device="cuda:0")
+        t.copy_((torch.arange(8 << 20, device="cuda:0") % 251).to(torch.uint8))
+        assert torch.equal(t.cpu(), (torch.arange(8 << 20) % 251).to(torch.uint8))
+        fds = [alloc.export_fd(i) for i in range(2)]
+        assert all(fd >= 0 for fd in fds) and fds[0] != fds[1]
+        for fd in fds:
+            os.close(fd)
+        del t
+        torch.cuda.synchronize()
+        single = ExportableAllocation(0, 8 << 20, head=3 << 20)  # not on the granularity
+        assert single.parts == [(0, 8 << 20)]
+        single.free()
+    finally:
+        alloc.free()
+
+
+@node_copy
 def test_a_corrupt_byte_fails_a_node_copied_load(models, tmp_path):
     from csi_pmem.gpucopy.standalone import published
 

@@ -89,6 +89,10 @@ BOUNCE = "bounce"
 REGISTERED = "registered"
 HYBRID = "hybrid"
 NODE = "node"  # the node's GPU copy service did the copies (csi_pmem.gpucopy)
+# The first file of a node-path load goes out as a head of this size and the rest, each
+# its own exportable allocation: the copies start after making and exporting 256 MiB,
+# not a whole file, and 256 MiB (one copy, about 5 ms on the link) covers making the rest.
+NODE_HEAD = 256 * MiB
 POPULATE_SLICE = 64 * MiB  # one madvise(MADV_POPULATE_*) call of the hybrid's prefault
 # Registration piece of this loader (hybrid and registered loads alike, since CUDA
 # refuses to register a range twice): 256 MiB let the first copies start after a few
@@ -890,9 +894,10 @@ class GpuLoader:
         Returns None when it did, else the targets (finished tensors left out) that
         still need copying in-pod; says why once per socket.
 
-        One allocation per file, each sent as soon as it exists: the first copies start
-        after one file's allocation (a few ms for 13 GB of ``cuMemCreate`` would
-        otherwise come before the first byte moves) and the rest are allocated while
+        One allocation per file, each sent as soon as it exists, and the first file's
+        head (:data:`NODE_HEAD`) sent before the rest of it is made: the first copies
+        start after 256 MiB of ``cuMemCreate`` and export (a few ms for 13 GB would
+        otherwise come before the first byte moves), and the rest is allocated while
         the copy engine works.
         """
         torch = _torch()
@@ -903,8 +908,11 @@ class GpuLoader:
             self._node_fallback(socket_path, exc)
             return targets
         log.debug("node copy: connected in %.1f ms", (time.monotonic() - t0) * 1e3)
+        # The first file's head is an allocation of its own (ExportableAllocation says
+        # why); its copies stop at the cut, so that each lands in one allocation.
+        head = NODE_HEAD if targets and targets[0].size >= 2 * NODE_HEAD else None
         plan = _Plan(targets, lambda ps, i, seq: planning.direct_chunks(
-            ps, DIRECT_CHUNK, [], i, seq), finish)
+            ps, DIRECT_CHUNK, [], i, seq, cuts=[head] if head and i == 0 else []), finish)
         by_target: list[list[planning.Chunk]] = [[] for _ in targets]
         for c in plan.chunks:
             by_target[c.target].append(c)
@@ -916,7 +924,8 @@ class GpuLoader:
             for i, target in enumerate(targets):
                 t = time.monotonic()
                 try:
-                    alloc = nodecopy.ExportableAllocation(self.device.index, target.size)
+                    alloc = nodecopy.ExportableAllocation(
+                        self.device.index, target.size, head if i == 0 else None)
                 except Exception as exc:  # no cuda-python, an allocation error
                     raise nodecopy.NodeCopyError(
                         f"cannot allocate exportable device memory ({exc}); install "
@@ -926,24 +935,39 @@ class GpuLoader:
                     raise nodecopy.NodeCopyError(
                         f"the node's GPU copy service cannot reach {alloc.uuid} (it sees "
                         f"{', '.join(session.gpus) or 'no GPU'})")
-                t_alloc = time.monotonic()
-                fds.append(alloc.export_fd())
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("node copy: %s allocated in %.2f ms, exported in %.2f ms, "
-                              "sent at %.1f ms", target.name, (t_alloc - t) * 1e3,
-                              (time.monotonic() - t_alloc) * 1e3,
-                              (time.monotonic() - t0) * 1e3)
-                # The request goes out first, so the copy engine starts while this
-                # process makes the tensor views (no progress is read before every
-                # request is sent, so no tensor is reported before it has its view).
-                yield fds[-1], protocol.CopyRequest(alloc.uuid, alloc.size, tuple(
-                    protocol.Copy(c.pieces[0].src, c.dst, c.nbytes) for c in by_target[i]))
+                chunks = by_target[i]
+                for part, (off, n) in enumerate(alloc.parts):
+                    try:
+                        alloc.map_part(part)  # part 0 came with the allocation
+                        t_alloc = time.monotonic()
+                        fds.append(alloc.export_fd(part))
+                    except Exception as exc:
+                        raise nodecopy.NodeCopyError(
+                            f"cannot allocate or export device memory for the node's GPU "
+                            f"copy service ({exc})") from exc
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("node copy: %s part %d (%s) allocated in %.2f ms, "
+                                  "exported in %.2f ms, sent at %.1f ms", target.name, part,
+                                  format_size(n), (t_alloc - t) * 1e3,
+                                  (time.monotonic() - t_alloc) * 1e3,
+                                  (time.monotonic() - t0) * 1e3)
+                    # The request goes out first, so the copy engine starts while this
+                    # process makes the next part and the tensor views (no progress is
+                    # read before every request is sent, so no tensor is reported before
+                    # it has its view).
+                    mine = [c for c in chunks if off <= c.dst < off + n]
+                    if any(c.dst + c.nbytes > off + n for c in mine):
+                        raise LoaderError(f"a copy of {target.name} crosses the end of "
+                                          "its device allocation (a planning bug)")
+                    yield fds[-1], protocol.CopyRequest(alloc.uuid, n, tuple(
+                        protocol.Copy(c.pieces[0].src, c.dst - off, c.nbytes) for c in mine))
+                    t = time.monotonic()
+                    # Sent: the message holds the allocation now. Closed here, while
+                    # the copies run: closing the fds after the last copy took 1.2-1.5
+                    # ms of the load's end.
+                    os.close(fds.pop())
+                # Every part is mapped: the tensors keep the allocation alive from now on.
                 t = time.monotonic()
-                # Sent: the message holds the allocation now. Closed here, while the
-                # copies run: closing the three fds after the last copy took 1.2-1.5 ms
-                # of the load's end.
-                os.close(fds.pop())
-                # The tensors keep the allocation alive from now on.
                 target.attach(torch.as_tensor(alloc, device=self.device)[:target.size])
                 plan.ready(i)
                 log.debug("node copy: %s views made in %.2f ms", target.name,

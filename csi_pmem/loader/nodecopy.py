@@ -165,16 +165,29 @@ def request_copies(path: str, fd: int, gpu: str, size: int,
 
 
 class ExportableAllocation:
-    """Device memory a pod can hand to the service: ``cuMemCreate`` with a POSIX fd
-    handle type, mapped into this process; a torch tensor over it through the CUDA array
-    interface (which keeps this object alive until the tensor is gone)."""
+    """Device memory a pod can hand to the service: one reserved address range, backed
+    by one or two physical allocations (``cuMemCreate`` with a POSIX fd handle type),
+    each exported and copied into on its own; a torch tensor over the whole range
+    through the CUDA array interface (which keeps this object alive until the tensor is
+    gone).
 
-    def __init__(self, ordinal: int, nbytes: int):
-        check, grant_access, uuid_text = gpucuda.check, gpucuda.grant_access, gpucuda.uuid_text
+    Why two parts: ``cuMemCreate`` and the export of a 5 GB file took 2-2.5 ms in fresh
+    processes on the H200 host, and the copy engine waited for them. With ``head`` the
+    first ``head`` bytes are a small allocation of their own, made and exported at once
+    (:attr:`parts`); :meth:`map_part` makes the rest while the service copies into the
+    head. A ``head`` that is not a multiple of the allocation granularity, or not
+    smaller than the whole, gives one part.
+    """
+
+    def __init__(self, ordinal: int, nbytes: int, head: int | None = None):
+        check, uuid_text = gpucuda.check, gpucuda.uuid_text
 
         cu = self._cu = gpucuda.driver()
         self._check = check
-        self.handle = self.ptr = self._dev = None
+        self._ordinal = ordinal
+        self.ptr = self._dev = None
+        self.handles: list[Any] = []
+        self._mapped: list[bool] = []
         check(cu, cu.cuInit(0), "cuInit")
         dev = check(cu, cu.cuDeviceGet(ordinal), "cuDeviceGet")
         self.uuid = uuid_text(bytes(check(cu, cu.cuDeviceGetUuid(dev), "cuDeviceGetUuid")
@@ -183,7 +196,7 @@ class ExportableAllocation:
         ctx = check(cu, cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         self._dev = dev
         check(cu, cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        prop = cu.CUmemAllocationProp()
+        prop = self._prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = ordinal
@@ -193,16 +206,38 @@ class ExportableAllocation:
             prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
             "cuMemGetAllocationGranularity"))
         self.size = -(-max(nbytes, 1) // gran) * gran
+        #: (offset, bytes) of each physical allocation in the range, in order
+        self.parts = [(0, self.size)]
+        if head is not None and 0 < head < self.size and head % gran == 0:
+            self.parts = [(0, head), (head, self.size - head)]
+        self.handles = [None] * len(self.parts)
+        self._mapped = [False] * len(self.parts)
         try:
-            self.handle = check(cu, cu.cuMemCreate(self.size, prop, 0),
-                                f"allocating {self.size} bytes of device memory (cuMemCreate)")
             self.ptr = check(cu, cu.cuMemAddressReserve(self.size, gran, 0, 0),
                              "cuMemAddressReserve")
-            check(cu, cu.cuMemMap(self.ptr, self.size, 0, self.handle, 0), "cuMemMap")
-            grant_access(cu, self.ptr, self.size, ordinal)
+            self.map_part(0)
         except BaseException:
             self.free()
             raise
+
+    def map_part(self, index: int) -> None:
+        """Create part ``index``, map it at its offset and open it to this GPU (once)."""
+        if self._mapped[index]:
+            return
+        cu, check = self._cu, self._check
+        off, n = self.parts[index]
+        if self.handles[index] is None:
+            self.handles[index] = check(
+                cu, cu.cuMemCreate(n, self._prop, 0),
+                f"allocating {n} bytes of device memory (cuMemCreate)")
+        at = cu.CUdeviceptr(self.address + off)
+        check(cu, cu.cuMemMap(at, n, 0, self.handles[index], 0), "cuMemMap")
+        self._mapped[index] = True
+        gpucuda.grant_access(cu, at, n, self._ordinal)
+
+    def map_all(self) -> None:
+        for index in range(len(self.parts)):
+            self.map_part(index)
 
     @property
     def address(self) -> int:
@@ -214,26 +249,38 @@ class ExportableAllocation:
         return {"shape": (self.size,), "typestr": "|u1", "data": (self.address, False),
                 "version": 3, "strides": None}
 
-    def export_fd(self) -> int:
+    def export_fd(self, index: int = 0) -> int:
+        """An fd of part ``index`` for the service (mapped first if it is not yet)."""
+        self.map_part(index)
         cu = self._cu
         fd = self._check(cu, cu.cuMemExportToShareableHandle(
-            self.handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0), "cuMemExportToShareableHandle")
+            self.handles[index],
+            cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            "cuMemExportToShareableHandle")
         return int(fd)
 
     def free(self) -> None:
-        cu = self._cu
+        cu = getattr(self, "_cu", None)
+        if cu is None:  # cuda-python was not importable
+            return
         with contextlib.suppress(Exception):
             if self.ptr is not None:
                 # Kernels still queued may read it; unmapping under them would fault.
                 cu.cuCtxSynchronize()
-                cu.cuMemUnmap(self.ptr, self.size)
+                for (off, n), mapped in zip(self.parts, self._mapped, strict=True):
+                    if mapped:
+                        cu.cuMemUnmap(cu.CUdeviceptr(int(self.ptr) + off), n)
                 cu.cuMemAddressFree(self.ptr, self.size)
-            if self.handle is not None:
-                cu.cuMemRelease(self.handle)
+        for handle in self.handles:
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    cu.cuMemRelease(handle)
+        with contextlib.suppress(Exception):
             if self._dev is not None:
                 cu.cuDevicePrimaryCtxRelease(self._dev)
-        self.ptr = self.handle = self._dev = None
+        self.ptr = self._dev = None
+        self.handles = [None] * len(self.handles)
+        self._mapped = [False] * len(self._mapped)
 
     def __del__(self) -> None:
         self.free()

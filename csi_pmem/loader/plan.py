@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -91,9 +92,10 @@ def runs(placements: list[Placement]) -> list[tuple[int, int, int]]:
     return [(s, d, n) for s, d, n in merged]
 
 
-def _split(runs_: list[tuple[int, int, int]], limit: int,
-           boundaries: list[int]) -> list[tuple[int, int, int]]:
-    """Cut runs to at most ``limit`` bytes and at source ``boundaries``."""
+def _split(runs_: list[tuple[int, int, int]], limit: int, boundaries: list[int],
+           cuts: Sequence[int] = ()) -> list[tuple[int, int, int]]:
+    """Cut runs to at most ``limit`` bytes, at source ``boundaries`` and at device
+    offsets ``cuts`` (all sorted)."""
     out = []
     for src, dst, n in runs_:
         while n:
@@ -101,6 +103,9 @@ def _split(runs_: list[tuple[int, int, int]], limit: int,
             i = bisect.bisect_right(boundaries, src)
             if i < len(boundaries) and boundaries[i] < src + take:
                 take = boundaries[i] - src
+            i = bisect.bisect_right(cuts, dst)
+            if i < len(cuts) and cuts[i] < dst + take:
+                take = cuts[i] - dst
             out.append((src, dst, take))
             src, dst, n = src + take, dst + take, n - take
     return out
@@ -143,11 +148,14 @@ def bounce_chunks(placements: list[Placement], buffer_size: int, target: int = 0
 
 
 def direct_chunks(placements: list[Placement], max_bytes: int, boundaries: list[int],
-                  target: int = 0, first_seq: int = 0) -> list[Chunk]:
+                  target: int = 0, first_seq: int = 0, cuts: Sequence[int] = ()
+                  ) -> list[Chunk]:
     """Transfers straight from a registered mapping, never crossing a registration
-    boundary (a copy spanning two registrations would not be treated as pinned)."""
+    boundary (a copy spanning two registrations would not be treated as pinned), nor a
+    device offset in ``cuts`` (where one device allocation ends and the next begins)."""
     out: list[Chunk] = []
-    for src, dst, n in _split(runs(placements), max_bytes, sorted(boundaries)):
+    for src, dst, n in _split(runs(placements), max_bytes, sorted(boundaries),
+                              sorted(cuts)):
         out.append(Chunk(first_seq + len(out), target, dst, n, (Piece(src, 0, n),)))
     return out
 

@@ -68,6 +68,23 @@ def test_bounce_chunks_copy_every_tensor_byte_once_within_a_buffer(
 
 
 @settings(max_examples=300, deadline=None)
+@given(ts=tensors(), limit=st.sampled_from([1, 8, 64, 1000, 4096]), data=st.data())
+def test_direct_chunks_stop_at_device_cuts(ts: list[TensorInfo], limit: int,
+                                           data: st.DataObject) -> None:
+    """Device ``cuts`` (where one allocation ends and the next begins): no chunk crosses
+    one, none is over the limit, and the chunks still write every byte once."""
+    placements, size = plan.place(ts)
+    cuts = sorted(data.draw(st.lists(st.integers(0, size + 1), max_size=3)))
+    chunks = plan.direct_chunks(placements, limit, [], cuts=cuts)
+    for c in chunks:
+        assert 0 < c.nbytes <= limit
+        assert not any(c.dst < cut < c.dst + c.nbytes for cut in cuts), (c, cuts)
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    want = {p.dst + k: p.src + k for p in placements for k in range(p.nbytes)}
+    assert _written(chunks) == want
+
+
+@settings(max_examples=300, deadline=None)
 @given(ts=tensors(), split=st.sampled_from(["bounce", "direct"]),
        limit=st.sampled_from([1, 8, 64, 1000, 4096]), data=st.data())
 def test_completion_finishes_each_tensor_once_after_its_last_chunk(
