@@ -435,18 +435,24 @@ def test_both_bounce_copies_are_bit_exact(models, monkeypatch, copy):
     assert_same(got, reference(models / "sharded"))
 
 
-@node_copy
-@pytest.mark.parametrize("verify", [True, False])
-def test_the_node_copy_service_loads_bit_exact(models, tmp_path, verify):
+def node_load(vol, tmp_path, verify):
+    """Load ``vol`` through the node's copy service (the standalone publication), in a
+    loader of its own; the load must take the node path."""
     from csi_pmem.gpucopy.standalone import published
     from csi_pmem.loader.gpu import GpuLoader
 
-    vol = lm.staged_volume(models / "sharded", models / "v")
     with published(str(vol), str(tmp_path / "pub")) as directory, \
             GpuLoader("cuda:0") as loader:
         handle = start_load(directory, "cuda:0", loader=loader, verify=verify)
         got = handle.result(timeout=60)
         assert handle.path == "node" and loader.node_copy_refused is None
+    return got
+
+
+@node_copy
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_node_copy_service_loads_bit_exact(models, tmp_path, verify):
+    got = node_load(lm.staged_volume(models / "sharded", models / "v"), tmp_path, verify)
     assert_same(got, reference(models / "sharded"))
 
 
@@ -456,10 +462,8 @@ def test_a_node_copied_file_in_two_allocations_is_bit_exact(tmp_path, monkeypatc
     """The first file's head is its own exportable allocation (gpu.NODE_HEAD, shrunk
     here to 4 MiB so that a 16 MiB tensor spans the cut): its copies stop at the cut,
     both parts are copied into, and the tensors are views across both."""
-    from csi_pmem.gpucopy.standalone import published
     from csi_pmem.loader import gpu as gpu_mod
     from csi_pmem.loader import nodecopy
-    from csi_pmem.loader.gpu import GpuLoader
 
     made: list[list[tuple[int, int]]] = []
     real = nodecopy.ExportableAllocation
@@ -472,12 +476,7 @@ def test_a_node_copied_file_in_two_allocations_is_bit_exact(tmp_path, monkeypatc
     monkeypatch.setattr(nodecopy, "ExportableAllocation", Recording)
     monkeypatch.setattr(gpu_mod, "NODE_HEAD", 4 << 20)
     lm.large_model(tmp_path / "big", 16 << 20)
-    vol = lm.staged_volume(tmp_path / "big", tmp_path / "v")
-    with published(str(vol), str(tmp_path / "pub")) as directory, \
-            GpuLoader("cuda:0") as loader:
-        handle = start_load(directory, "cuda:0", loader=loader, verify=verify)
-        got = handle.result(timeout=60)
-        assert handle.path == "node" and loader.node_copy_refused is None
+    got = node_load(lm.staged_volume(tmp_path / "big", tmp_path / "v"), tmp_path, verify)
     assert made and made[0][0] == (0, 4 << 20) and len(made[0]) == 2
     assert_same(got, reference(tmp_path / "big"))
 
