@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -216,6 +217,7 @@ class DeviceVerifier:
         # at the first batch; running torch's reductions once before the copies (the
         # fallback's kernels) put the first copy 60 ms late.
         self._thread: threading.Thread | None = None
+        self._queued_at = 0.0  # when the latest batch was queued (a debug line's)
         self._closed = False  # failed before any batch: nothing will start a thread
         self._reported = False
         if not plans:
@@ -240,6 +242,7 @@ class DeviceVerifier:
             if pending and (size >= batch_threshold(unlanded) or not progress.unchecked) \
                     and not self._closed:
                 self._queue.append((fname, buffer, first_dst, sorted(pending)))
+                self._queued_at = time.monotonic()
                 self._pending[fname] = []
                 if self._thread is None:
                     self._start()
@@ -273,7 +276,9 @@ class DeviceVerifier:
             with self._wake:
                 self._error = self._error or exc
         finally:
+            t = time.monotonic()
             release()  # before the result is out: the process may exit then
+            log.debug("check: its stream released in %.2f ms", (time.monotonic() - t) * 1e3)
         self._finish()
 
     def _check_all(self, stream: Any) -> None:
@@ -288,6 +293,7 @@ class DeviceVerifier:
                     break
                 fname, buffer, first_dst, ready = self._queue.pop(0)
             exc_: BaseException | None = None
+            picked = time.monotonic()
             try:
                 import torch
 
@@ -307,8 +313,15 @@ class DeviceVerifier:
                     self._left.discard(fname)
                 last = not self._left and not self._queue
             if last:
+                # What the load's end waits for, after its last bytes landed.
+                log.debug("check: the last batch waited %.2f ms for this thread and took "
+                          "%.2f ms to launch", (picked - self._queued_at) * 1e3,
+                          (time.monotonic() - picked) * 1e3)
                 break
+        t = time.monotonic()
         bad, exc_ = self._collect(stream, launched)
+        log.debug("check: %d batches read back and compared in %.2f ms", len(launched),
+                  (time.monotonic() - t) * 1e3)
         # Drop every device tensor before the result is out: a process may exit as soon
         # as it is, and tensors freed by this thread during interpreter teardown would
         # reach a CUDA runtime that is going away (an abort at exit). The sums hold
