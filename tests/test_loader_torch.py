@@ -193,6 +193,32 @@ def test_gpu_load_refuses_corrupt_data(models, mode, where, kernel, monkeypatch)
 
 
 @cuda
+def test_a_bad_chunk_in_an_early_batch_fails_the_load(tmp_path, monkeypatch):
+    """The check compares each batch while the next lands (only the last one is left
+    for the load's end): a corrupt byte in the first 64 MiB chunk, checked in the
+    first of several batches, still fails the load."""
+    import numpy as np
+
+    from csi_pmem.loader import gpuverify
+    from csi_pmem.loader.model import open_model
+
+    monkeypatch.setattr(gpuverify, "BATCH", 1)  # every complete chunk is its own batch
+    monkeypatch.setattr(gpuverify, "TAIL_BATCH", 1)
+    lm.save_numpy_model(tmp_path / "m", {f"w{i}": np.full(10 << 20, i, dtype=np.float32)
+                                         for i in range(4)})
+    vol = lm.staged_volume(tmp_path / "m", tmp_path / "v", size=256 * lm.MiB)
+    with open_volume(vol) as v:
+        view = open_model(v)
+        f = view.model.files[0]
+        data_start = view.headers[f.name].data_start
+    with open(vol, "r+b") as fh:
+        fh.seek(data_start + 4096)
+        fh.write(b"\x01")
+    with pytest.raises(ChecksumError, match=r"1 chunk\(s\) .* first: .*: chunk 0 "):
+        load_safetensors(str(vol), "cuda:0")
+
+
+@cuda
 def test_device_sums_equal_the_host_sums():
     import numpy as np
 
