@@ -3,9 +3,12 @@ CUDA one moves real bytes into memfd "allocations" passed over real unix sockets
 
 Covered: the protocol end to end (dax.sock-style forwarding by the node plugin's socket
 server, the service, the pod's client), registration that follows the volume's index,
-bad fds, short allocations and out-of-bounds copies refused with nothing written,
+bad fds, short allocations, out-of-bounds copies and malformed messages refused with
+nothing written, progress never ahead of the bytes, pods on two volumes served at once,
 authentication by the pod's cgroup, a silent or absent service, a service killed
-mid-copy, and the driver serving gpu.sock next to dax.sock and releasing the volume.
+mid-copy, a pod reset mid-copy (the volume's release waits for the copy), a refusal
+the pod meets on its next request, and the driver serving gpu.sock next to dax.sock and
+releasing the volume.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,7 +35,7 @@ from csi_pmem.gpucopy.copier import FAKE_GPU, FakeCopier
 from csi_pmem.gpucopy.link import ServiceLink, ServiceUnavailable
 from csi_pmem.gpucopy.service import CopyService
 from csi_pmem.loader import layout, open_model, open_volume, stage
-from csi_pmem.loader.nodecopy import NodeCopyError, request_copies, service_socket
+from csi_pmem.loader.nodecopy import NodeCopyError, Session, request_copies, service_socket
 from csi_pmem.loader.plan import place, runs
 
 import loader_models as lm
@@ -45,10 +50,11 @@ def work(tmp_path) -> Iterator[Path]:
         yield d
 
 
-def staged(work: Path, name: str = "m") -> tuple[Path, dict]:
+def staged(work: Path, name: str = "m", volume: str = "vol",
+           shards: int = 3) -> tuple[Path, dict]:
     src = work / f"src-{name}"
-    ref = lm.sharded_model(src)
-    vol = lm.staged_volume(src, work / "vol", size=64 * MiB, name=name)
+    ref = lm.sharded_model(src, shards=shards)
+    vol = lm.staged_volume(src, work / volume, size=64 * MiB, name=name)
     return vol, ref
 
 
@@ -63,9 +69,10 @@ class Node:
 
     def __init__(self, work: Path, vol: Path, copier: FakeCopier | None = None,
                  pod_uid: str | None = None, proc_root: str = "/proc",
-                 control: str | None = None):
+                 control: str | None = None, volume_id: str = "csi-0123",
+                 published: str = "published"):
         self.vol = vol
-        self.dir = work / "published"
+        self.dir = work / published
         self.dir.mkdir(exist_ok=True)
         self.copier = copier or FakeCopier()
         self.control = control or str(work / "gpu-copy.sock")
@@ -73,7 +80,7 @@ class Node:
             self.control, self.copier, poll_seconds=0.05, client_timeout=5).start()
         self.link = ServiceLink(self.control, timeout=2)
         self.dax = DaxSocketServer(proc_root=proc_root)
-        self.meta = meta(vol)
+        self.meta = meta(vol, volume_id)
         self.sock = str(self.dir / protocol.SOCKET_NAME)
         self.dax.serve(self.sock, self.meta, lambda: os.open(vol, os.O_RDONLY | os.O_CLOEXEC),
                        pod_uid=pod_uid,
@@ -133,10 +140,17 @@ def test_copies_land_bit_exact_with_progress(work, node_factory):
     copies, size, where = whole_model_copies(vol)
     fd, out = allocation(size)
     seen: list[int] = []
-    report = request_copies(node.sock, fd, FAKE_GPU, size, copies, seen.append)
+    data = Path(vol).read_bytes()
+
+    def progress(k: int) -> None:
+        # Reported done means landed: the first k copies' bytes are there already.
+        for c in copies[:k]:
+            assert out[c.dst:c.dst + c.nbytes] == data[c.src:c.src + c.nbytes], c
+        seen.append(k)
+
+    report = request_copies(node.sock, fd, FAKE_GPU, size, copies, progress)
     assert report["ok"] and report["bytes"] == sum(c.nbytes for c in copies)
     assert seen == sorted(seen) and seen[-1] == len(copies)
-    data = Path(vol).read_bytes()
     for dst, n, src in where.values():
         assert out[dst:dst + n] == data[src:src + n]
     assert node.dax.served == 1 and node.service.served == 1
@@ -221,7 +235,7 @@ def test_a_client_that_never_prepared_is_served_from_the_forwarded_fd(work, node
 
 
 @pytest.mark.parametrize("case", ["pipe-fd", "short", "past-alloc", "past-volume",
-                                  "other-gpu", "no-fd", "garbage"])
+                                  "other-gpu", "no-fd", "garbage", "nested"])
 def test_bad_requests_are_refused_and_nothing_is_written(work, node_factory, case):
     vol, _ = staged(work)
     node = node_factory(vol)
@@ -231,7 +245,7 @@ def test_bad_requests_are_refused_and_nothing_is_written(work, node_factory, cas
     expect = {"pipe-fd": "not an exported GPU allocation", "short": "smaller than",
               "past-alloc": "outside the allocation", "past-volume": "outside the volume",
               "other-gpu": "cannot reach", "no-fd": "exactly one fd",
-              "garbage": "not a JSON message"}[case]
+              "garbage": "not a JSON message", "nested": "nested too deeply"}[case]
     if case == "pipe-fd":
         r, w = os.pipe()
         os.close(w)
@@ -244,7 +258,7 @@ def test_bad_requests_are_refused_and_nothing_is_written(work, node_factory, cas
         copies = [protocol.Copy(os.path.getsize(vol) - 10, 0, 100)]
     elif case == "other-gpu":
         gpu = "GPU-ffffffff-0000-0000-0000-000000000000"
-    if case in ("no-fd", "garbage", "other-gpu"):
+    if case in ("no-fd", "garbage", "nested", "other-gpu"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(5)
         sock.connect(node.sock)
@@ -254,6 +268,8 @@ def test_bad_requests_are_refused_and_nothing_is_written(work, node_factory, cas
         req = protocol.CopyRequest(gpu, size, tuple(copies)).to_json()
         if case == "garbage":
             sock.sendall(b"{not json\n")
+        elif case == "nested":  # json recurses: a RecursionError, not a ValueError
+            sock.sendall(b"[" * 100_000 + b"\n")
         else:
             protocol.send(sock, req, [] if case == "no-fd" else [fd])
         reply = reader.read()
@@ -348,6 +364,112 @@ def test_a_pod_that_goes_away_mid_copy_leaks_no_token(work, node_factory):
         request_copies(node.sock, fd, FAKE_GPU, size, copies, progress)
     assert wait_spent(copier) == 0
     assert node.service.served == 0
+
+
+class GatedCopier(FakeCopier):
+    """Copies that land only once the test opens ``gate``. Each first checks that its
+    source is still registered (a release unregisters before it unmaps) and counts
+    itself in ``unsafe`` instead of reading memory that may be gone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.unsafe = 0
+
+    def wait(self, token: Any) -> None:
+        self.entered.set()
+        self.gate.wait(10)
+        src = token[1][0]
+        with self._lock:
+            live = any(a <= src < a + n for a, n in self.registered.items())
+        if not live:
+            self.unsafe += 1
+            self.discard(token)
+            return
+        super().wait(token)
+
+
+def test_a_release_waits_for_the_copy_a_reset_pod_left(work, node_factory):
+    """A pod that resets its connection mid-copy (the hello unread) fails the service's
+    next read; the copy the waiter is in still reads the volume, so the volume's
+    release (the pod's unpublish) must wait for it."""
+    copier = GatedCopier()
+    node, copies, size, fd, _ = whole_model_request(work, node_factory, copier)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(node.sock)
+    protocol.send(sock, protocol.CopyRequest(FAKE_GPU, size, tuple(copies)).to_json(), [fd])
+    assert copier.entered.wait(10)
+    sock.close()  # unread data: the service's next read is reset
+    time.sleep(0.3)  # it sees the reset while the copy is held
+    release = threading.Thread(target=node.service.release, args=(node.meta["volume_id"],))
+    release.start()
+    release.join(0.5)
+    held = release.is_alive()
+    copier.gate.set()
+    release.join(10)
+    assert held, "the volume was released under a running copy"
+    assert not release.is_alive() and copier.unsafe == 0
+    assert wait_spent(copier) == 0 and node.service.failed == 1
+
+
+def test_a_refused_first_request_is_reported_when_the_next_one_meets_a_closed_socket(
+        work, node_factory):
+    """Multi-file loads send one request per allocation; the service answers a refused
+    one with its reason and closes, so the pod's next send fails. The pod must report
+    the reason, not the broken pipe."""
+    node, copies, size, _, out = whole_model_request(work, node_factory, FakeCopier())
+    short, _ = allocation(size // 2 // 4096 * 4096)
+    fd, _ = allocation(size)
+    session = Session(node.sock, timeout=5)
+
+    def requests() -> Iterator[tuple[int, protocol.CopyRequest]]:
+        yield short, protocol.CopyRequest(FAKE_GPU, size, tuple(copies))
+        deadline = time.monotonic() + 10
+        while not node.service.failed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # the service closes after its answer
+        yield fd, protocol.CopyRequest(FAKE_GPU, size, tuple(copies))
+
+    try:
+        with pytest.raises(NodeCopyError, match=r"refused: .*smaller than"):
+            session.copy(requests(), lambda k: None)
+    finally:
+        session.close()
+    assert out[:] == bytes(len(out))
+
+
+def test_pods_on_two_volumes_are_served_at_once_each_from_its_own(work, node_factory):
+    """One service, two published volumes holding different models, two pods on each
+    at the same time: every pod gets its own volume's bytes."""
+    first = node_factory(*staged(work, "a")[:1], copier=FakeCopier(delay=0.005))
+    vol_b, _ = staged(work, "b", volume="vol-b", shards=2)
+    second = node_factory(vol_b, control=first.control, volume_id="csi-0456",
+                          published="published-b")
+    assert Path(first.vol).read_bytes() != Path(vol_b).read_bytes()
+    results: dict[tuple[int, int], object] = {}
+
+    def pod(node: Node, index: int) -> None:
+        copies, size, where = whole_model_copies(node.vol)
+        fd, out = allocation(size)
+        try:
+            request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None)
+            data = Path(node.vol).read_bytes()
+            results[id(node), index] = all(out[d:d + n] == data[s:s + n]
+                                           for d, n, s in where.values())
+        except BaseException as exc:  # reported below, with the others
+            results[id(node), index] = exc
+        finally:
+            os.close(fd)
+
+    pods = [threading.Thread(target=pod, args=(n, i)) for n in (first, second)
+            for i in range(2)]
+    for t in pods:
+        t.start()
+    for t in pods:
+        t.join(30)
+    assert len(results) == 4 and all(r is True for r in results.values()), results
+    assert first.service.served == 4 and first.service.failed == 0
+    assert sorted(first.service.volumes) == ["csi-0123", "csi-0456"]
 
 
 def test_a_service_killed_mid_copy_reports_what_landed(work, node_factory):

@@ -147,6 +147,8 @@ class Reader:
             doc = json.loads(line)
         except ValueError as exc:
             raise ProtocolError(f"not a JSON message: {exc}") from exc
+        except RecursionError as exc:  # json nests by recursion: '[' * 100000
+            raise ProtocolError("not a JSON message: nested too deeply") from exc
         if not isinstance(doc, dict):
             raise ProtocolError("a message must be a JSON object")
         return doc

@@ -160,6 +160,20 @@ class VolumeState:
         self.volume.close()
 
 
+def _settle(wait_thread: threading.Thread, tokens: queue.SimpleQueue[Any],
+            failure: list[BaseException], targets: list[Any]) -> None:
+    """End one pod's copies: stop the waiter (the tokens it has not waited for are
+    discarded) and close every target, which waits for the copies still queued into it.
+    Idempotent."""
+    if wait_thread.is_alive():
+        failure.append(CopyError("connection closed"))
+        tokens.put(None)
+        wait_thread.join()
+    for target in targets:
+        target.close()
+    targets.clear()
+
+
 class CopyService:
     """Listens on the control socket; one thread per connection."""
 
@@ -294,6 +308,43 @@ class CopyService:
 
     # -- one pod ----------------------------------------------------------------------
 
+    def _receive(self, reader: protocol.Reader, state: VolumeState,
+                 tokens: queue.SimpleQueue[Any], targets: list[Any],
+                 failure: list[BaseException], accepted: float) -> tuple[int, int, float]:
+        """Read the pod's requests until it shuts its side down (or a copy failed),
+        opening each allocation and queueing its copies at once. Returns the requests,
+        their bytes and when the first arrived."""
+        requests = total = 0
+        started = accepted
+        while not failure and (doc := reader.read()) is not None:
+            fds = reader.take_fds()
+            try:
+                if len(fds) != 1:
+                    raise protocol.ProtocolError(
+                        f"a copy request carries exactly one fd (the exported "
+                        f"allocation), not {len(fds)}")
+                request = protocol.parse_copy_request(doc, state.size)
+                if not requests:
+                    state.refresh()  # a model staged since the last poll
+                    started = time.monotonic()
+                arrived = time.monotonic()
+                target = self.copier.open_target(fds[0], request.size, request.gpu)
+                targets.append(target)
+                opened = time.monotonic()
+                for token in self.copier.enqueue(target, state.host_copies(request)):
+                    tokens.put(token)
+                log.debug("request %d: at %.1f ms, target opened in %.1f ms, %d copies "
+                          "queued in %.1f ms", requests, (arrived - accepted) * 1e3,
+                          (opened - arrived) * 1e3, len(request.copies),
+                          (time.monotonic() - opened) * 1e3)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            requests += 1
+            total += request.nbytes
+        return requests, total, started
+
+
     def _client(self, state: VolumeState, sock: socket.socket) -> None:
         """One pod: hello, then copy requests until it shuts its side down.
 
@@ -309,7 +360,6 @@ class CopyService:
         tokens: queue.SimpleQueue[Any] = queue.SimpleQueue()
         failure: list[BaseException] = []
         targets: list[Any] = []
-        total = requests = 0
 
         def send(doc: dict[str, Any]) -> None:
             with send_lock:
@@ -335,44 +385,29 @@ class CopyService:
                     done[1] = now
 
         wait_thread = threading.Thread(target=waiter, name="copy-wait", daemon=True)
-        started = accepted = time.monotonic()
+        accepted = time.monotonic()
         try:
             sock.settimeout(self.client_timeout)
             send({"service": protocol.SERVICE, "protocol": protocol.PROTOCOL,
                   "volume_id": state.id, "gpus": self.copier.gpus(),
                   "registered_bytes": state.registered_bytes})
             with state.in_use():
-                wait_thread.start()
-                while not failure and (doc := reader.read()) is not None:
-                    fds = reader.take_fds()
-                    try:
-                        if len(fds) != 1:
-                            raise protocol.ProtocolError(
-                                f"a copy request carries exactly one fd (the exported "
-                                f"allocation), not {len(fds)}")
-                        request = protocol.parse_copy_request(doc, state.size)
-                        if not requests:
-                            state.refresh()  # a model staged since the last poll
-                            started = time.monotonic()
-                        arrived = time.monotonic()
-                        target = self.copier.open_target(fds[0], request.size, request.gpu)
-                        targets.append(target)
-                        opened = time.monotonic()
-                        for token in self.copier.enqueue(target, state.host_copies(request)):
-                            tokens.put(token)
-                        log.debug("request %d: at %.1f ms, target opened in %.1f ms, %d "
-                                  "copies queued in %.1f ms", requests,
-                                  (arrived - accepted) * 1e3, (opened - arrived) * 1e3,
-                                  len(request.copies), (time.monotonic() - opened) * 1e3)
-                    finally:
-                        for fd in fds:
-                            os.close(fd)
-                    requests += 1
-                    total += request.nbytes
-                tokens.put(None)
-                wait_thread.join()
-                if failure:
-                    raise failure[0]
+                try:
+                    wait_thread.start()
+                    requests, total, started = self._receive(reader, state, tokens,
+                                                             targets, failure, accepted)
+                    tokens.put(None)
+                    wait_thread.join()
+                    if failure:
+                        raise failure[0]
+                except BaseException:
+                    # Copies may still run: the one the waiter waits for, and those
+                    # discarded behind a failure. Settle them while the volume is in
+                    # use, so that a release cannot unmap what they read, and before
+                    # the pod hears of the failure, so that nothing lands in its memory
+                    # after that.
+                    _settle(wait_thread, tokens, failure, targets)
+                    raise
             seconds = time.monotonic() - started
             send({"ok": True, "bytes": total, "requests": requests, "seconds": seconds,
                   "registered_bytes": state.registered_bytes})
@@ -389,11 +424,6 @@ class CopyService:
             self.failed += 1
             log.warning("volume %s: client connection failed: %s", state.id, exc)
         finally:
-            if wait_thread.is_alive():
-                failure.append(CopyError("connection closed"))
-                tokens.put(None)
-                wait_thread.join()
-            for target in targets:
-                target.close()
+            _settle(wait_thread, tokens, failure, targets)
             reader.close_fds()
             sock.close()

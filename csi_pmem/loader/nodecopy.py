@@ -111,6 +111,19 @@ class Session:
             raise NodeCopyError(f"the GPU copy service refused: {doc['error']}", done)
         return doc
 
+    def _refusal(self, done: int) -> None:
+        """After the service closed on a request: raise what it said, if it said why.
+
+        It answers a request it refuses with an error line and closes, so the pod's next
+        request meets a closed socket; the line is still in this side's queue (behind
+        the hello and any progress, which are skipped: the load has failed)."""
+        with contextlib.suppress(OSError, protocol.ProtocolError):
+            while (doc := self.reader.read()) is not None:
+                self.reader.close_fds()
+                if "error" in doc:
+                    raise NodeCopyError(f"the GPU copy service refused: {doc['error']}",
+                                        done)
+
     def copy(self, requests: Iterable[tuple[int, protocol.CopyRequest]],
              on_progress: Callable[[int], None]) -> dict[str, Any]:
         """Send each (allocation fd, request) as ``requests`` yields it (a generator may
@@ -122,8 +135,8 @@ class Session:
             for fd, request in requests:
                 try:
                     protocol.send(self.sock, request.to_json(), [fd])
-                except OSError:
-                    self.hello()  # the reason, where the other side gave one first
+                except (BrokenPipeError, ConnectionResetError):
+                    self._refusal(done)  # the reason, where the service gave one first
                     raise
                 total += len(request.copies)
                 self.hello()  # after the first request, so that it is on its way
