@@ -18,6 +18,7 @@ import mmap
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -37,6 +38,7 @@ from csi_pmem.gpucopy.service import CopyService
 from csi_pmem.loader import layout, open_model, open_volume, stage
 from csi_pmem.loader.nodecopy import NodeCopyError, Session, request_copies, service_socket
 from csi_pmem.loader.plan import place, runs
+from csi_pmem.node.devdax import SOCKET_FILE
 
 import loader_models as lm
 
@@ -283,14 +285,23 @@ def test_bad_requests_are_refused_and_nothing_is_written(work, node_factory, cas
     assert node.service.failed == 1
 
 
-def test_the_pod_must_belong_to_the_volume_pod(work, node_factory):
+@pytest.mark.parametrize("member", [False, True])
+def test_the_pod_must_belong_to_the_volume_pod(work, node_factory, member):
     vol, _ = staged(work)
+    pod = str(uuid.uuid4())
     proc = work / "proc"
     (proc / str(os.getpid())).mkdir(parents=True)
-    (proc / str(os.getpid()) / "cgroup").write_text("0::/kubepods/podother/c\n")
-    node = node_factory(vol, pod_uid=str(uuid.uuid4()), proc_root=str(proc))
-    copies, size, _ = whole_model_copies(vol)
+    (proc / str(os.getpid()) / "cgroup").write_text(
+        f"0::/kubepods/pod{pod if member else 'other'}/c\n")
+    node = node_factory(vol, pod_uid=pod, proc_root=str(proc))
+    copies, size, where = whole_model_copies(vol)
     fd, out = allocation(size)
+    if member:
+        request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None)
+        data = Path(vol).read_bytes()
+        assert all(out[d:d + n] == data[s:s + n] for d, n, s in where.values())
+        assert node.dax.refused == 0 and node.service.served == 1
+        return
     with pytest.raises(NodeCopyError, match="not in that pod's cgroup"):
         request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None)
     assert node.dax.refused == 1 and node.service.served == 0
@@ -566,8 +577,19 @@ def test_the_driver_serves_gpu_sock_and_releases_the_volume(driver_factory, work
                        [protocol.Copy(placements[0].src, 0, placements[0].nbytes)],
                        lambda k: None)
         assert out[:placements[0].nbytes] == data
+        # gpu.sock is served as dax.sock is: the same mode, the same pod check.
+        socks = [os.path.join(ro, n) for n in (SOCKET_FILE, protocol.SOCKET_NAME)]
+        assert len({stat.S_IMODE(os.stat(p).st_mode) for p in socks}) == 1
         driver.unpublish(vid, ro)
         assert not os.path.exists(ro)
+        other = driver.target("other-pod")
+        driver.publish(vid, other, readonly=True,
+                       context={"csi.storage.k8s.io/pod.uid": str(uuid.uuid4())})
+        with pytest.raises(NodeCopyError, match="not in that pod's cgroup"):
+            request_copies(os.path.join(other, protocol.SOCKET_NAME), fd, FAKE_GPU,
+                           len(out), [protocol.Copy(placements[0].src, 0, 4096)],
+                           lambda k: None)
+        driver.unpublish(vid, other)
         driver.delete(vid)
     finally:
         svc.send_signal(signal.SIGTERM)
