@@ -236,15 +236,17 @@ def test_a_client_that_never_prepared_is_served_from_the_forwarded_fd(work, node
     assert out[c.dst:c.dst + c.nbytes] == data[c.src:c.src + c.nbytes]
 
 
-@pytest.mark.parametrize("case", ["pipe-fd", "short", "past-alloc", "past-volume",
-                                  "other-gpu", "no-fd", "garbage", "nested"])
+@pytest.mark.parametrize("case", ["pipe-fd", "file-fd", "read-only", "short", "past-alloc",
+                                  "past-volume", "other-gpu", "no-fd", "garbage", "nested"])
 def test_bad_requests_are_refused_and_nothing_is_written(work, node_factory, case):
     vol, _ = staged(work)
     node = node_factory(vol)
     copies, size, _ = whole_model_copies(vol)
     fd, out = allocation(size)
     gpu = FAKE_GPU
-    expect = {"pipe-fd": "not an exported GPU allocation", "short": "smaller than",
+    expect = {"pipe-fd": "not an exported GPU allocation",
+              "file-fd": "not an exported GPU allocation",
+              "read-only": "cannot be mapped writable", "short": "smaller than",
               "past-alloc": "outside the allocation", "past-volume": "outside the volume",
               "other-gpu": "cannot reach", "no-fd": "exactly one fd",
               "garbage": "not a JSON message", "nested": "nested too deeply"}[case]
@@ -252,6 +254,10 @@ def test_bad_requests_are_refused_and_nothing_is_written(work, node_factory, cas
         r, w = os.pipe()
         os.close(w)
         fd = r
+    elif case == "file-fd":  # the volume's own fd, say: a file, not an allocation
+        fd, before = os.open(vol, os.O_RDWR), Path(vol).read_bytes()
+    elif case == "read-only":
+        fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
     elif case == "short":
         fd, out = allocation(size // 2 // 4096 * 4096)
     elif case == "past-alloc":
@@ -282,6 +288,8 @@ def test_bad_requests_are_refused_and_nothing_is_written(work, node_factory, cas
             request_copies(node.sock, fd, gpu, size, copies, lambda k: None)
     if case != "pipe-fd":
         assert out[:] == bytes(len(out))  # nothing written
+    if case == "file-fd":
+        assert Path(vol).read_bytes() == before
     assert node.service.failed == 1
 
 

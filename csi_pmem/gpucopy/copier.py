@@ -117,12 +117,22 @@ class FakeCopier:
             st = os.fstat(fd)
         except OSError as exc:
             raise CopyError(f"the allocation fd is not usable: {exc.strerror}") from exc
-        if not stat.S_ISREG(st.st_mode):
+        # An exported allocation here is a memfd, as only cuMemCreate's fds are for
+        # CUDA: a file's fd (the volume's own, say) is as foreign as a pipe's.
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            link = ""
+        if not stat.S_ISREG(st.st_mode) or not link.startswith("/memfd:"):
             raise CopyError("the fd sent is not an exported GPU allocation")
         if st.st_size < size:
             raise CopyError(f"the allocation is {st.st_size} bytes, smaller than the "
                             f"{size} bytes the request names")
-        return FakeTarget(fd, size, gpu)
+        try:
+            return FakeTarget(fd, size, gpu)
+        except OSError as exc:  # opened read-only: not writable, as CUDA would refuse
+            raise CopyError(f"the allocation cannot be mapped writable: {exc.strerror}") \
+                from exc
 
     def enqueue(self, target: Target, copies: Sequence[HostCopy]) -> list[Any]:
         assert isinstance(target, FakeTarget), "a target of another copier"
