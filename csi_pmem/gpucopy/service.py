@@ -344,7 +344,6 @@ class CopyService:
             total += request.nbytes
         return requests, total, started
 
-
     def _client(self, state: VolumeState, sock: socket.socket) -> None:
         """One pod: hello, then copy requests until it shuts its side down.
 
