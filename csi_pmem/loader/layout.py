@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import posixpath
 import struct
 import time
@@ -239,9 +240,26 @@ def _model_from(doc: Any) -> ModelEntry:
     return ModelEntry(name=name, revision=str(doc.get("revision") or ""), state=state,
                       files=[_file_from(f, f"model {name!r} file #{i}", ALGOS[algo])
                              for i, f in enumerate(files)],
-                      chunk_size=_int(doc, "chunk_size", f"model {name!r}") or CHUNK_SIZE,
-                      algo=algo,
-                      updated=float(doc.get("updated") or 0.0))
+                      chunk_size=_chunk_size(doc, name), algo=algo,
+                      updated=_seconds(doc.get("updated"), name))
+
+
+def _chunk_size(doc: dict[str, Any], name: str) -> int:
+    size = _int(doc, "chunk_size", f"model {name!r}") or CHUNK_SIZE
+    if size < AUX_ALIGN:  # stages write CHUNK_SIZE; a tiny one is damage, not a choice
+        raise LayoutError(f"index: model {name!r} has checksum chunks of {size} bytes, "
+                          f"below {AUX_ALIGN}")
+    return size
+
+
+def _seconds(value: Any, name: str) -> float:
+    """The ``updated`` time stamp: a number (seconds since the epoch) or absent."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value):
+        raise LayoutError(f"index: model {name!r} has invalid updated {value!r}")
+    return float(value)
 
 
 def validate(index: Index, volume_size: int) -> None:
@@ -264,7 +282,8 @@ def validate(index: Index, volume_size: int) -> None:
             if f.offset < INDEX_AREA or f.end > volume_size:
                 raise LayoutError(f"index: {where} spans [{f.offset}, {f.end}), outside "
                                   f"the data area [{INDEX_AREA}, {volume_size})")
-            if f.done and len(f.chunks) != len(chunk_ranges(f.length, model.chunk_size)):
+            # Counted, not listed: a damaged index may claim a file of the whole volume.
+            if f.done and len(f.chunks) != -(-f.length // model.chunk_size):
                 raise LayoutError(f"index: {where} has {len(f.chunks)} checksums for "
                                   f"{f.length} bytes")
             if model.state == COMMITTED and not f.done:
@@ -320,6 +339,8 @@ def _decode_slot(raw: memoryview, slot: int) -> tuple[int, dict[str, Any]] | str
         return generation, json.loads(body)
     except ValueError as exc:  # checksum passed, so this is a writer bug
         return f"slot {slot}: index is not JSON ({exc})"
+    except RecursionError:  # json nests by recursion
+        return f"slot {slot}: index is not JSON (nested too deeply)"
 
 
 def read_index(volume: Volume) -> Index | None:

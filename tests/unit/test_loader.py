@@ -10,6 +10,7 @@ later load would trust.
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import struct
@@ -308,6 +309,59 @@ def test_unsafe_file_name_in_index_is_refused(shm):
     rewrite_index(vol, evil)
     with pytest.raises(LayoutError, match="unsafe file name"):
         load_numpy(str(vol))
+
+
+def rewrite_raw(vol: Path, edit) -> None:
+    """Write the next index generation as the document ``edit(doc)`` returns (bytes
+    as they are), behind a valid header checksum: damage only the parser can catch."""
+    with open_volume(vol, writable=True) as v:
+        index = layout.read_index(v)
+        body = edit(index.to_json())
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        generation = index.generation + 1
+        fields = layout._FIELDS.pack(layout.MAGIC, layout.VERSION, layout.HEADER_SIZE,
+                                     generation, len(body))
+        blob = fields + hashlib.sha256(fields + body).digest() + body
+        start = (generation % layout.SLOTS) * layout.SLOT_SIZE
+        v.view(start, len(blob))[:] = blob
+
+
+def _model(doc: dict, **fields) -> dict:
+    doc["models"][0].update(fields)
+    return doc
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"updated": "yesterday"}, "invalid updated"),
+    ({"updated": [1]}, "invalid updated"),
+    ({"updated": float("inf")}, "invalid updated"),
+    ({"chunk_size": 1}, "checksum chunks of 1 bytes"),
+])
+def test_an_index_with_bad_model_fields_is_a_layout_error(shm, fields, message):
+    """Not a ValueError or TypeError from deep inside: the copy service and the loader
+    turn LayoutError into a message, anything else into a traceback. A chunk size of
+    1 byte would also have made the check list one range per byte of the file."""
+    vol = staged_np(shm)
+    rewrite_raw(vol, lambda doc: _model(doc, **fields))
+    with pytest.raises(LayoutError, match=message):
+        load_numpy(str(vol))
+
+
+def test_a_deeply_nested_newer_index_is_skipped_for_the_valid_one(shm):
+    vol = staged_np(shm)
+    rewrite_raw(vol, lambda doc: b"[" * 200_000 + b"]" * 200_000)
+    lm.assert_same(load_numpy(str(vol)), lm.reference(shm / "src"))
+    with open_volume(vol) as v:
+        assert layout.read_index(v).generation == newest_generation(vol) - 1
+
+
+def newest_generation(vol: Path) -> int:
+    with open(vol, "rb") as f:
+        heads = []
+        for slot in range(layout.SLOTS):
+            f.seek(slot * layout.SLOT_SIZE)
+            heads.append(layout._FIELDS.unpack(f.read(layout._FIELDS.size))[3])
+    return max(heads)
 
 
 def test_misaligned_volume_size_is_refused(shm):
