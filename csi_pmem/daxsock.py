@@ -28,6 +28,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
@@ -50,6 +51,8 @@ _SO_PEERPIDFD = 77
 # Bound the work one wake-up does for one socket so a flood on one volume cannot starve
 # the others; the selector reports the socket again if more connections are queued.
 _ACCEPT_BATCH = 64
+_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_EXHAUSTED_PAUSE = 0.05
 
 EVENT_SERVED = "served"
 EVENT_REFUSED = "refused"
@@ -117,6 +120,7 @@ class DaxSocketServer:
         self.served = 0
         self.refused = 0
         self.failed = 0
+        self._exhausted_logged = -1e9  # when running out of fds was last logged
         self._lock = threading.Lock()
         self._endpoints: dict[str, _Endpoint] = {}
         self._closed = False
@@ -255,6 +259,7 @@ class DaxSocketServer:
 
     def _accept(self, endpoint: _Endpoint) -> None:
         accepted: list[tuple[socket.socket, _Job]] = []
+        exhausted = False
         with self._lock:
             # stop() may have raced with select(); its socket may even be closed.
             if self._endpoints.get(endpoint.path) is not endpoint:
@@ -267,13 +272,25 @@ class DaxSocketServer:
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError as exc:
-                    # ECONNABORTED and friends concern one client only; EMFILE would
-                    # spin, but the batch bound and the log make it visible.
-                    log.warning("dax socket %s: accept failed: %s", endpoint.path, exc)
+                    # ECONNABORTED and friends concern one client only. Out of fds or
+                    # memory, the pending connection stays readable and select() would
+                    # spin: back off, and say so once in a while, not 20,000 times a second.
+                    exhausted = exc.errno in _EXHAUSTED
+                    now = time.monotonic()
+                    if not exhausted or now - self._exhausted_logged >= 10:
+                        log.warning("dax socket %s: accept failed: %s", endpoint.path, exc)
+                        if exhausted:
+                            self._exhausted_logged = now
                     break
                 accepted.append((conn, job))
         for conn, job in accepted:
-            self._handle(conn, job)
+            try:
+                self._handle(conn, job)
+            except Exception:  # one client's bug: the others in the batch are served
+                log.exception("dax socket %s: unexpected error", job.path)
+                conn.close()
+        if exhausted:
+            time.sleep(_EXHAUSTED_PAUSE)
 
     def _handle(self, conn: socket.socket, job: _Job) -> None:
         forwarded = False
@@ -288,8 +305,10 @@ class DaxSocketServer:
                         "dax socket %s: refused peer pid=%d uid=%d gid=%d: %s; cgroups: %s",
                         job.path, pid, uid, gid, refusal, cgroups or "-")
                     # Counted before the reply: whoever reads the refusal sees it counted.
+                    # Once: a peer gone before the reply is not an error besides.
                     self._count(EVENT_REFUSED, job.path)
-                    self._send_error(conn, refusal)
+                    with contextlib.suppress(OSError):
+                        self._send_error(conn, refusal)
                     return
             try:
                 fd = job.opener()
@@ -298,12 +317,22 @@ class DaxSocketServer:
             except Exception as exc:
                 log.exception("dax socket %s: opening the device failed", job.path)
                 self._count(EVENT_ERROR, job.path)
-                self._send_error(conn, f"the node plugin could not open the volume's device: "
-                                       f"{exc}; see the csi-pmem node plugin log")
+                with contextlib.suppress(OSError):
+                    self._send_error(conn, f"the node plugin could not open the volume's "
+                                           f"device: {exc}; see the csi-pmem node plugin log")
                 return
             if job.forward is not None:
-                threading.Thread(target=self._forward, args=(conn, fd, job),
-                                 name="forward", daemon=True).start()
+                try:
+                    threading.Thread(target=self._forward, args=(conn, fd, job),
+                                     name="forward", daemon=True).start()
+                except RuntimeError as exc:  # out of threads: this client only
+                    os.close(fd)
+                    log.error("dax socket %s: cannot start a thread: %s", job.path, exc)
+                    self._count(EVENT_ERROR, job.path)
+                    with contextlib.suppress(OSError):
+                        self._send_error(conn, f"the node plugin cannot start a thread "
+                                               f"({exc}); try again")
+                    return
                 forwarded = True
                 return
             try:

@@ -486,6 +486,55 @@ def test_proc_root_is_configurable(workdir: str) -> None:
         assert wait_until(lambda: (srv.served, srv.refused) == (1, 1))
 
 
+def test_a_refused_peer_gone_before_the_reply_is_counted_once(
+        workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = os.path.join(workdir, "proc")
+    os.makedirs(os.path.join(proc, str(os.getpid())))
+    data = make_file(os.path.join(workdir, "data"), b"x")
+    sock = os.path.join(workdir, "dax.sock")
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with DaxSocketServer(proc_root=proc) as srv:
+        authorize = srv._authorize
+
+        def peer_leaves_first(*args):  # the peer exits while it is being checked
+            client.close()
+            return authorize(*args)
+
+        monkeypatch.setattr(srv, "_authorize", peer_leaves_first)
+        srv.serve(sock, metadata(), opener_for(data, os.O_RDONLY), pod_uid=str(uuid.uuid4()))
+        client.connect(sock)
+        assert wait_until(lambda: srv.refused == 1)
+        time.sleep(0.1)
+        assert (srv.served, srv.refused, srv.failed) == (0, 1, 0)
+
+
+def test_running_out_of_fds_backs_off_and_logs_once(
+        server: DaxSocketServer, workdir: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """accept() failing with EMFILE leaves the connection pending, so select() would
+    wake at once, forever: the loop must pause between tries and log once, not spin."""
+    data = make_file(os.path.join(workdir, "data"), b"x")
+    sock = os.path.join(workdir, "dax.sock")
+    server.serve(sock, metadata(), opener_for(data, os.O_RDONLY), pod_uid=None)
+    tries = []
+    real_accept = socket.socket.accept
+
+    def accept(self):
+        if self.family == socket.AF_UNIX and self.getsockname() == sock and len(tries) < 1000:
+            tries.append(time.monotonic())
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_accept(self)
+
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(sock)
+    time.sleep(0.5)
+    monkeypatch.setattr(socket.socket, "accept", real_accept)
+    client.close()
+    assert 2 <= len(tries) <= 0.5 / 0.05 + 2, len(tries)
+    assert sum("accept failed" in r.getMessage() for r in caplog.records) == 1
+
+
 @pytest.fixture(params=CGROUP_VERSIONS, ids=lambda v: f"cgroup-v{v}")
 def cgroup_tree(request: pytest.FixtureRequest) -> Iterator[cgroups.CgroupTree]:
     if not IS_ROOT:

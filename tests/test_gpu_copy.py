@@ -7,12 +7,14 @@ bad fds, short allocations, out-of-bounds copies and malformed messages refused 
 nothing written, progress never ahead of the bytes, pods on two volumes served at once,
 authentication by the pod's cgroup, a silent or absent service, a service killed
 mid-copy, a pod reset mid-copy (the volume's release waits for the copy), a refusal
-the pod meets on its next request, and the driver serving gpu.sock next to dax.sock and
-releasing the volume.
+the pod meets on its next request, a peer that drips bytes, pods beyond the service's
+bound, bad fds and sizes on the control socket, threads that cannot start, and the
+driver serving gpu.sock next to dax.sock and releasing the volume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -135,6 +137,17 @@ def whole_model_copies(vol: Path) -> tuple[list[protocol.Copy], int, dict[str, t
     return copies, base, where
 
 
+def counts(svc: CopyService, **want: int) -> dict[str, int]:
+    """The service's counters named in ``want``, once they equal it (or after 5 s): it
+    counts a pod after its last message, which the pod may read first."""
+    deadline = time.monotonic() + 5
+    while True:
+        got = {k: getattr(svc, k) for k in want}
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
 def test_copies_land_bit_exact_with_progress(work, node_factory):
     vol, _ = staged(work)
     node = node_factory(vol)
@@ -155,7 +168,7 @@ def test_copies_land_bit_exact_with_progress(work, node_factory):
     assert seen == sorted(seen) and seen[-1] == len(copies)
     for dst, n, src in where.values():
         assert out[dst:dst + n] == data[src:src + n]
-    assert node.dax.served == 1 and node.service.served == 1
+    assert node.dax.served == 1 and counts(node.service, served=1) == {"served": 1}
     assert node.copier.outstanding == 0
 
 
@@ -308,7 +321,7 @@ def test_the_pod_must_belong_to_the_volume_pod(work, node_factory, member):
         request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None)
         data = Path(vol).read_bytes()
         assert all(out[d:d + n] == data[s:s + n] for d, n, s in where.values())
-        assert node.dax.refused == 0 and node.service.served == 1
+        assert node.dax.refused == 0 and counts(node.service, served=1) == {"served": 1}
         return
     with pytest.raises(NodeCopyError, match="not in that pod's cgroup"):
         request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None)
@@ -487,7 +500,7 @@ def test_pods_on_two_volumes_are_served_at_once_each_from_its_own(work, node_fac
     for t in pods:
         t.join(30)
     assert len(results) == 4 and all(r is True for r in results.values()), results
-    assert first.service.served == 4 and first.service.failed == 0
+    assert counts(first.service, served=4, failed=0) == {"served": 4, "failed": 0}
     assert sorted(first.service.volumes) == ["csi-0123", "csi-0456"]
 
 
@@ -523,6 +536,127 @@ def test_a_service_killed_mid_copy_reports_what_landed(work, node_factory):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_peer_that_drips_bytes_times_out_per_message():
+    """The timeout bounds a whole message: a byte every 0.1 s must not keep a
+    connection (and the service's thread for it) alive past it."""
+    ours, theirs = socket.socketpair()
+    stop = threading.Event()
+
+    def drip() -> None:  # for 4 s: a reader that waits per byte times out after it
+        until = time.monotonic() + 4
+        while not stop.wait(0.1) and time.monotonic() < until:
+            with contextlib.suppress(OSError):
+                theirs.send(b" ")
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    try:
+        ours.settimeout(0.5)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            protocol.Reader(ours).read()
+        assert time.monotonic() - started < 2.5
+        assert ours.gettimeout() == 0.5  # the socket's own timeout is left as it was
+    finally:
+        stop.set()
+        dripper.join()
+        ours.close()
+        theirs.close()
+
+
+def test_pods_beyond_max_clients_are_told_the_service_is_busy(work, node_factory):
+    copier = GatedCopier()
+    node, copies, size, fd, _ = whole_model_request(work, node_factory, copier)
+    node.service.max_clients = 1
+    first: list[object] = []
+    pod = threading.Thread(target=lambda: first.append(request_copies(
+        node.sock, fd, FAKE_GPU, size, copies, lambda k: None)))
+    pod.start()
+    try:
+        assert copier.entered.wait(10)
+        other, _ = allocation(size)
+        with pytest.raises(NodeCopyError, match="busy"):
+            request_copies(node.sock, other, FAKE_GPU, size, copies, lambda k: None)
+    finally:
+        copier.gate.set()
+        pod.join(10)
+    assert first and first[0]["ok"]
+    want = {"served": 1, "failed": 1, "clients": 0}
+    assert counts(node.service, **want) == want
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_control_socket_refuses_bad_fds_and_sizes_and_keeps_none(work, node_factory):
+    """The node plugin's control messages: a client fd that is no socket, a size mmap
+    cannot take. Each gets an error reply; no fd stays open in the service."""
+    vol, _ = staged(work)
+    node = node_factory(vol)
+
+    def control(doc: dict, fds: list[int]) -> dict:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(5)
+            c.connect(node.control)
+            protocol.send(c, doc, fds)
+            return protocol.Reader(c).read()
+
+    vol_fd = os.open(vol, os.O_RDONLY)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        control({"op": protocol.OP_PREPARE, **node.meta}, [vol_fd])  # mapped once
+        before = open_fds()
+        for _ in range(5):
+            reply = control({"op": protocol.OP_CLIENT, **node.meta}, [vol_fd, null])
+            assert "socket" in reply["error"].lower(), reply
+        reply = control({"op": protocol.OP_PREPARE, **dict(node.meta, usable_size=2**70)},
+                        [vol_fd])
+        assert "invalid usable_size" in reply["error"]
+        assert wait_until_fds(before) <= before
+    finally:
+        os.close(vol_fd)
+        os.close(null)
+
+
+def wait_until_fds(target: int, seconds: float = 5) -> int:
+    deadline = time.monotonic() + seconds
+    while open_fds() > target and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return open_fds()
+
+
+def test_out_of_threads_costs_one_connection_not_the_service(work, node_factory,
+                                                            monkeypatch):
+    """A thread that cannot start (pid or memory limits) in the node plugin's socket
+    server, the service's control loop or its per-pod waiter refuses that one pod with
+    a reason; the next pod is served."""
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    copies, size, where = whole_model_copies(vol)
+    fd, out = allocation(size)
+    real = threading.Thread.start
+    failing = ["forward", "control-conn", "copy-wait"]
+
+    def start(self: threading.Thread) -> None:
+        if failing and self.name == failing[0]:
+            failing.pop(0)
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    # The service's control thread failing closes the plugin's connection unanswered:
+    # the pod hears that the service is not reachable.
+    for expect in ["cannot start a thread", "not reachable|closed", "cannot start a thread"]:
+        with pytest.raises(NodeCopyError, match=expect):
+            request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None)
+    assert not failing
+    request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None)
+    data = Path(vol).read_bytes()
+    assert all(out[d:d + n] == data[s:s + n] for d, n, s in where.values())
+    assert counts(node.service, served=1) == {"served": 1}
 
 
 def test_service_socket_lookup(work, monkeypatch):

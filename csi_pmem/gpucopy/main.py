@@ -28,6 +28,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                              "staged models to register")
     parser.add_argument("--client-timeout", type=float, default=30.0,
                         help="seconds a pod may stay silent before its connection is closed")
+    parser.add_argument("--max-clients", type=int, default=32,
+                        help="pods served at once; more are told the service is busy and "
+                             "load in-pod")
     parser.add_argument("--fake-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default=env("CSI_PMEM_LOG_LEVEL", "info"),
                         choices=("debug", "info", "warning", "error"))
@@ -54,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
                       "csi-pmem[gpu-copy]", file=sys.stderr)
                 return 1
         service = CopyService(args.socket, copier, poll_seconds=args.poll_seconds,
-                              client_timeout=args.client_timeout).start()
+                              client_timeout=args.client_timeout,
+                              max_clients=args.max_clients).start()
     except (CopyError, OSError) as exc:
         print(f"csi-pmem gpu-copy: {exc}", file=sys.stderr)
         return 1

@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import socket
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ PROTOCOL = 1
 SERVICE = "csi-pmem-gpu-copy"
 SOCKET_NAME = "gpu.sock"  # next to dax.sock in a published devdax volume
 MAX_LINE = 8 << 20  # a copy list of 100k entries fits
+MAX_VOLUME = 1 << 56  # 64 PiB: far past any namespace, well inside what mmap takes
 MAX_FDS = 4
 
 OP_PREPARE = "prepare"
@@ -124,25 +126,43 @@ class Reader:
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self._buf = b""
+        self._buf = bytearray()
         self.fds: list[int] = []
 
     def read(self) -> dict[str, Any] | None:
         """The next message, or None at end of stream. Raises ProtocolError for a
-        malformed one, TimeoutError / OSError as the socket does."""
-        while b"\n" not in self._buf:
-            data, fds = self._recv()
-            self.fds += fds
-            if len(self.fds) > MAX_FDS:
-                raise ProtocolError("too many file descriptors")
-            if not data:
-                if self._buf:
-                    raise ProtocolError("the peer closed the connection mid-message")
-                return None
-            self._buf += data
-            if len(self._buf) > MAX_LINE:
-                raise ProtocolError("message too long")
-        line, _, self._buf = self._buf.partition(b"\n")
+        malformed one, TimeoutError / OSError as the socket does.
+
+        The socket's timeout bounds the whole message, not each receive: a peer that
+        sends a byte now and then must not hold a connection (and its thread) forever.
+        """
+        timeout = self.sock.gettimeout()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        scanned = 0
+        try:
+            while (end := self._buf.find(b"\n", scanned)) < 0:
+                scanned = len(self._buf)
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError("timed out")
+                    self.sock.settimeout(left)
+                data, fds = self._recv()
+                self.fds += fds
+                if len(self.fds) > MAX_FDS:
+                    raise ProtocolError("too many file descriptors")
+                if not data:
+                    if self._buf:
+                        raise ProtocolError("the peer closed the connection mid-message")
+                    return None
+                self._buf += data
+                if len(self._buf) > MAX_LINE:
+                    raise ProtocolError("message too long")
+        finally:
+            if deadline is not None:
+                self.sock.settimeout(timeout)
+        line = bytes(self._buf[:end])
+        del self._buf[:end + 1]
         try:
             doc = json.loads(line)
         except ValueError as exc:
@@ -178,7 +198,7 @@ def volume_meta(doc: dict[str, Any]) -> dict[str, Any]:
     vid, size = doc.get("volume_id"), doc.get("usable_size")
     if not isinstance(vid, str) or not vid or "/" in vid:
         raise ProtocolError(f"invalid volume_id {vid!r}")
-    if not _uint(size) or size == 0:
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_VOLUME:
         raise ProtocolError(f"invalid usable_size {size!r}")
     align = doc.get("align") or 2 << 20
     if not _uint(align) or align & (align - 1):

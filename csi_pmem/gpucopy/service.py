@@ -178,11 +178,15 @@ class CopyService:
     """Listens on the control socket; one thread per connection."""
 
     def __init__(self, socket_path: str, copier: Copier, *, poll_seconds: float = 2.0,
-                 client_timeout: float = 30.0):
+                 client_timeout: float = 30.0, max_clients: int = 32):
         self.socket_path = socket_path
         self.copier = copier
         self.poll_seconds = poll_seconds
         self.client_timeout = client_timeout
+        # Each pod costs two threads and up to a message's buffer: bounded, so that a
+        # pod opening connections cannot starve the others or the node.
+        self.max_clients = max_clients
+        self.clients = 0
         self.volumes: dict[str, VolumeState] = {}
         self.served = self.failed = 0
         self._lock = threading.Lock()
@@ -228,8 +232,14 @@ class CopyService:
                 log.exception("control socket: accept failed")
                 time.sleep(0.1)
                 continue
-            threading.Thread(target=self._control, args=(conn,), name="control-conn",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._control, args=(conn,), name="control-conn",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # out of threads: this connection only
+                log.error("control socket: cannot start a thread (%s); connection closed",
+                          exc)
+                conn.close()
+                time.sleep(0.1)
 
     def _control(self, conn: socket.socket) -> None:
         reader = protocol.Reader(conn)
@@ -252,14 +262,16 @@ class CopyService:
                         raise protocol.ProtocolError(f"{op} needs {need} fd(s), got {len(fds)}")
                     state = self._volume(meta, fds.pop(0))
                     if op == protocol.OP_CLIENT:
-                        client = socket.socket(fileno=fds.pop(0))
+                        # Popped only once it is a socket: else the finally closes it.
+                        client = socket.socket(fileno=fds[0])
+                        fds.pop(0)
                 else:
                     raise protocol.ProtocolError(f"unknown operation {op!r}")
             finally:
                 for fd in fds:
                     os.close(fd)
             protocol.send(conn, {"ok": True})
-        except (protocol.ProtocolError, OSError, ValueError) as exc:
+        except (protocol.ProtocolError, OSError, ValueError, OverflowError) as exc:
             log.warning("control socket: %s", exc)
             with contextlib.suppress(OSError, protocol.ProtocolError):
                 protocol.send(conn, {"error": str(exc)})
@@ -345,6 +357,29 @@ class CopyService:
         return requests, total, started
 
     def _client(self, state: VolumeState, sock: socket.socket) -> None:
+        """One pod, if fewer than ``max_clients`` are being served; else it is told the
+        service is busy (its loader then loads in-pod)."""
+        with self._lock:
+            busy = self.clients >= self.max_clients
+            if not busy:
+                self.clients += 1
+        if busy:
+            self.failed += 1
+            log.warning("volume %s: %d pods are being served already; one more refused",
+                        state.id, self.max_clients)
+            with contextlib.suppress(OSError, protocol.ProtocolError):
+                sock.settimeout(1)
+                protocol.send(sock, {"error": f"the GPU copy service is busy ({self.max_clients} "
+                                              "pods loading at once on this node)"})
+            sock.close()
+            return
+        try:
+            self._serve(state, sock)
+        finally:
+            with self._lock:
+                self.clients -= 1
+
+    def _serve(self, state: VolumeState, sock: socket.socket) -> None:
         """One pod: hello, then copy requests until it shuts its side down.
 
         Each request carries one allocation (one fd). Its copies are queued as soon as
@@ -392,7 +427,11 @@ class CopyService:
                   "registered_bytes": state.registered_bytes})
             with state.in_use():
                 try:
-                    wait_thread.start()
+                    try:
+                        wait_thread.start()
+                    except RuntimeError as exc:  # out of threads: refuse this pod
+                        raise CopyError(f"the GPU copy service cannot start a thread "
+                                        f"({exc})") from exc
                     requests, total, started = self._receive(reader, state, tokens,
                                                              targets, failure, accepted)
                     tokens.put(None)
