@@ -739,3 +739,14 @@ def test_the_driver_serves_gpu_sock_and_releases_the_volume(driver_factory, work
         log.close()
     text = (work / "service.log").read_text()
     assert "registered" in text and f"volume {vid} released" in text
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_max_clients_must_be_a_positive_number(value):
+    proc = subprocess.run([sys.executable, "-m", "csi_pmem", "gpu-copy", "--copier", "fake",
+                           "--socket", "/nonexistent/gpu-copy.sock", "--max-clients", value],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"--max-clients: {value!r} is not a positive whole number" in proc.stderr
+    assert "Traceback" not in proc.stderr

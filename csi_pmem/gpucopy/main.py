@@ -28,7 +28,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                              "staged models to register")
     parser.add_argument("--client-timeout", type=float, default=30.0,
                         help="seconds a pod may stay silent before its connection is closed")
-    parser.add_argument("--max-clients", type=int, default=32,
+    parser.add_argument("--max-clients", type=_positive, default=32,
                         help="pods served at once; more are told the service is busy and "
                              "load in-pod")
     parser.add_argument("--fake-delay", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -36,6 +36,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                         choices=("debug", "info", "warning", "error"))
     parser.add_argument("--log-format", default=env("CSI_PMEM_LOG_FORMAT", "text"),
                         choices=("text", "json"))
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
