@@ -503,6 +503,7 @@ def test_gpu_copy_container(gpu_copy: Manifests) -> None:
 def test_gpu_copy_values(helm: str) -> None:
     m = Manifests(render(helm, *GPU_COPY_ON, "--set", "gpuCopy.logLevel=debug",
                          "--set-json", "gpuCopy.pollSeconds=0.5",  # --set: a string
+                         "--set", "gpuCopy.maxClients=8",
                          "--set", "gpuCopy.visibleDevices=",
                          "--set", "gpuCopy.driverCapabilities=compute",
                          "--set-json",
@@ -512,6 +513,7 @@ def test_gpu_copy_values(helm: str) -> None:
     assert env["CSI_PMEM_LOG_LEVEL"] == "debug"
     assert m.env("driver")["CSI_PMEM_LOG_LEVEL"] == "info"
     assert env["CSI_PMEM_GPU_COPY_POLL_SECONDS"] == "0.5"
+    assert env["CSI_PMEM_GPU_COPY_MAX_CLIENTS"] == "8"
     assert "NVIDIA_VISIBLE_DEVICES" not in env
     assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute"
     assert env["CSI_PMEM_GPU_COPY_COPIER"] == "fake"
@@ -848,6 +850,7 @@ def test_optional_prometheusrule_and_dashboard_ship_the_tested_files(helm: str,
     ("storageClasses.fsdax.align=2Mi", "/storageClasses/fsdax"),
     ("gpuCopy.enabled=yes", "/gpuCopy/enabled"),
     ("gpuCopy.pollSeconds=0", "/gpuCopy/pollSeconds"),
+    ("gpuCopy.maxClients=0", "/gpuCopy/maxClients"),
     ("gpuCopy.logLevel=verbose", "/gpuCopy/logLevel"),
     ("gpuCopy.runtimeClassName=NVIDIA", "/gpuCopy/runtimeClassName"),
     ("gpuCopy.image.pullPolicy=Sometimes", "/gpuCopy/image/pullPolicy"),

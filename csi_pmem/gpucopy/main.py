@@ -28,9 +28,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                              "staged models to register")
     parser.add_argument("--client-timeout", type=float, default=30.0,
                         help="seconds a pod may stay silent before its connection is closed")
-    parser.add_argument("--max-clients", type=_positive, default=32,
+    parser.add_argument("--max-clients", type=_positive,
+                        default=env(ENV + "MAX_CLIENTS", "32"),
                         help="pods served at once; more are told the service is busy and "
-                             "load in-pod")
+                             f"load in-pod [env {ENV}MAX_CLIENTS]")
     parser.add_argument("--fake-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default=env("CSI_PMEM_LOG_LEVEL", "info"),
                         choices=("debug", "info", "warning", "error"))
