@@ -93,6 +93,17 @@ def log_level(text: str) -> str:
     return level
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
 def quantity(text: str) -> int:
     """An argparse type: a byte count as a Kubernetes quantity, as in manifests (16Gi is
     16 GiB, 16G is 16*10^9 bytes; :func:`csi_pmem.sizes.parse_quantity`)."""

@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 
+from csi_pmem.cmdline import positive_int
+
 ENV = "CSI_PMEM_GPU_COPY_"
 
 
@@ -28,7 +30,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                              "staged models to register")
     parser.add_argument("--client-timeout", type=float, default=30.0,
                         help="seconds a pod may stay silent before its connection is closed")
-    parser.add_argument("--max-clients", type=_positive,
+    parser.add_argument("--max-clients", type=positive_int,
                         default=env(ENV + "MAX_CLIENTS", "32"),
                         help="pods served at once; more are told the service is busy and "
                              f"load in-pod [env {ENV}MAX_CLIENTS]")
@@ -37,16 +39,6 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                         choices=("debug", "info", "warning", "error"))
     parser.add_argument("--log-format", default=env("CSI_PMEM_LOG_FORMAT", "text"),
                         choices=("text", "json"))
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
