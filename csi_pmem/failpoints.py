@@ -14,10 +14,15 @@ process's kernel still writes back.
 ``name=sleep:SECONDS`` pauses there and then goes on (printing ``failpoint NAME
 sleeping``): it holds a step open long enough for a test to stop the driver in the
 middle of it, which is how the shutdown tests catch a stop cutting a step short.
+
+``name=errno:ENOSPC`` (any errno name) raises that OSError there instead, naming the
+path the step works on: how the tests reach the error paths of a failure a real file
+system cannot be made to produce on cue (EIO while writing a state record).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -60,6 +65,8 @@ DELETE_AFTER_DIRTY = "delete-after-dirty"  # region marked dirty, namespace not 
 SCRUB_AFTER_RECORD = "scrub-after-record"  # scrub intent written, no scratch namespace
 SCRUB_AFTER_CREATE = "scrub-after-create"  # scratch namespaces exist, not erased
 SCRUB_AFTER_ERASE = "scrub-after-erase"    # scratch erased, not destroyed
+# A state record written, not yet fsynced (csi_pmem.state.write_atomic): for errno:NAME.
+STATE_WRITE = "state-write"
 # ndctl's two-step destroy (csi_pmem.backends.ndctl): disabled, not yet destroyed.
 DESTROY_MID = "destroy-mid"
 ERASE = (ERASE_MID, DELETE_AFTER_DIRTY, SCRUB_AFTER_RECORD, SCRUB_AFTER_CREATE,
@@ -71,11 +78,15 @@ ALL = (CREATE_AFTER_RECORD, CREATE_AFTER_NAMESPACE, DELETE_AFTER_RECORD, DELETE_
 FSDAX = (STAGE_AFTER_MKFS, PUBLISH_AFTER_RECORD, PUBLISH_AFTER_MOUNT, UNPUBLISH_AFTER_UMOUNT)
 
 
-def hit(name: str) -> None:
-    """SIGKILL this process if fail point ``name`` is active (or stall it there)."""
+def hit(name: str, path: str | os.PathLike | None = None) -> None:
+    """SIGKILL this process if fail point ``name`` is active (or stall it there, or
+    raise the OSError it names for ``path``)."""
     action = _ACTIVE.get(name)
     if action is None:
         return
+    if action.startswith("errno:"):
+        code = getattr(errno, action.removeprefix("errno:"))
+        raise OSError(code, os.strerror(code), os.fspath(path) if path is not None else None)
     if action == "stall":
         print(f"failpoint {name} stalled", file=sys.stderr, flush=True)
         while True:

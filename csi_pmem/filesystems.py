@@ -25,7 +25,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from csi_pmem.errors import CommandError, FailedPrecondition
+from csi_pmem.errors import CommandError, FailedPrecondition, from_os_error
 from csi_pmem.runner import Runner
 
 MKFS_TIMEOUT = 600.0
@@ -121,13 +121,17 @@ def apply_group(root: str, gid: int) -> None:
     its directory's fd with O_PATH|O_NOFOLLOW and changed through that fd, so a symlink
     swapped in mid-walk is never followed out of the volume.
     """
-    st = os.lstat(root)
-    if st.st_gid == gid and st.st_mode & stat.S_ISGID:
-        return
-    for _, dirnames, filenames, dir_fd in os.fwalk(root, follow_symlinks=False):
-        for name in [*dirnames, *filenames]:
-            _group_one(name, gid, dir_fd)
-    _group_one(root, gid, None)
+    try:
+        st = os.lstat(root)
+        if st.st_gid == gid and st.st_mode & stat.S_ISGID:
+            return
+        for _, dirnames, filenames, dir_fd in os.fwalk(root, follow_symlinks=False):
+            for name in [*dirnames, *filenames]:
+                _group_one(name, gid, dir_fd)
+        _group_one(root, gid, None)
+    except OSError as exc:
+        raise from_os_error(exc, f"cannot give group {gid} (the pod's fsGroup) access to the "
+                            f"file system at {root}", fs=root) from exc
 
 
 def _group_one(name: str, gid: int, dir_fd: int | None) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from csi_pmem.errors import FailedPrecondition
+from csi_pmem.errors import FailedPrecondition, from_os_error
 from csi_pmem.mountinfo import MountInfo, find, mountinfo
 from csi_pmem.runner import Runner
 
@@ -97,6 +97,29 @@ def check_dir_target(target: str) -> None:
     if not os.path.isdir(ancestor):
         raise FailedPrecondition(
             f"target {target} cannot be created: {ancestor} is not a directory")
+
+
+# What a target needs, said when the file system holding it refuses.
+TARGET_NEEDS = ("the driver creates the target kubelet names (an empty directory or "
+                "file) below its --kubelet-dir before it mounts there")
+
+
+def make_dir_target(target: str, volume_id: str) -> None:
+    """Create the directory ``target`` (and its parents), or say what it needs."""
+    try:
+        os.makedirs(target, mode=0o750, exist_ok=True)
+    except OSError as exc:
+        raise from_os_error(exc, f"cannot create target directory {target} for volume "
+                            f"{volume_id}", needs=TARGET_NEEDS) from exc
+
+
+def make_file_target(target: str, volume_id: str) -> None:
+    """Create the empty file ``target`` a device is bound onto, or say what it needs."""
+    try:
+        os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+    except OSError as exc:
+        raise from_os_error(exc, f"cannot create target file {target} for volume "
+                            f"{volume_id}", needs=TARGET_NEEDS) from exc
 
 
 def is_dir_empty(path: str) -> bool:

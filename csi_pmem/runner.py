@@ -10,16 +10,17 @@ in their constructor and unit tests can substitute a fake that replays recorded 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from csi_pmem.errors import CommandError
+from csi_pmem.errors import CommandError, CsiPmemError, ResourceExhausted, from_os_error
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,10 @@ class Runner:
                 start_new_session=True)
         except OSError as e:
             log.debug("run %s: cannot start: %s", argv, e)
+            if e.errno in _SHORT_OF:
+                # The node or the driver is short of something, not the command broken:
+                # say what (RESOURCE_EXHAUSTED), not a failure of the command.
+                raise _SHORT_OF[e.errno](e, f"cannot start {' '.join(argv[:3])}") from e
             raise CommandError(argv, 127, str(e), message=f"cannot be started ({e.strerror})") \
                 from e
         try:
@@ -127,6 +132,18 @@ def _kill(proc: subprocess.Popen[str]) -> tuple[str, str]:
         log.warning("pid %d did not exit after SIGKILL (stuck in the kernel?)", proc.pid)
         return "", ""
 
+
+def _out_of_processes(exc: OSError, doing: str) -> CsiPmemError:
+    return ResourceExhausted(
+        f"{doing}: the driver cannot fork ({exc.strerror}); it has hit its process or "
+        "thread limit: raise the pids limit of its container (or RLIMIT_NPROC)")
+
+
+# fork/exec errors that mean a resource is short, with what to say about each.
+_SHORT_OF: dict[int, Callable[[OSError, str], CsiPmemError]] = {
+    errno.EMFILE: from_os_error, errno.ENFILE: from_os_error, errno.ENOMEM: from_os_error,
+    errno.EAGAIN: _out_of_processes,
+}
 
 _default = Runner()
 

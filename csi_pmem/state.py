@@ -9,17 +9,29 @@ the device. Each volume gets one small JSON file, written *before* the driver ac
 Regions get a record too (:class:`RegionRecord`, ``regions/<pool>.json``), written the
 same way: whether the region's free space is known to read as zeros, which is what lets
 CreateVolume skip zeroing (:mod:`csi_pmem.cleanspace` owns its rules).
+
+Because every mutating RPC writes a record before it acts, a full, over-quota or
+read-only state directory stops them all. :class:`StateStore` says so in the RPC's
+status (RESOURCE_EXHAUSTED or FAILED_PRECONDITION naming the state directory and what
+it needs), not as an INTERNAL error whose reason is only in the log; a failed write
+leaves nothing behind (its temp file is removed, and temp files a crash left are
+removed at start-up), so the driver carries on without a restart once there is room.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from csi_pmem import failpoints
+from csi_pmem.errors import CsiPmemError, FailedPrecondition, from_os_error
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +47,10 @@ STAGING, STAGED = "staging", "staged"
 DAX, BLOCK, MOUNT = "dax", "block", "mount"
 
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+TMP_SUFFIX = ".tmp"  # write_atomic's temp files: .<name>.<random>.tmp beside it
+# What the state directory needs room for, said when it has none.
+NEEDS = ("the driver writes a small record (about 1 KiB) per volume there before every "
+         "create, delete, stage and publish, and cannot act without it")
 
 
 @dataclass
@@ -87,6 +103,14 @@ class VolumeRecord:
     # destroys without erasing again. It also resumes a destroy cut short after ndctl's
     # disable-namespace, whose device is gone and could not be erased again anyway.
     erased: bool = False
+    # Volatile pools (csi_pmem.backends.base, Pool.media): the Unix time the driver found
+    # this volume's contents lost (a node restart, or its pool reset) and carved it again,
+    # empty; 0 if never. Kept for the volume's life, so its condition says so after every
+    # driver restart. ``recreating``: written before that carve and cleared once the new
+    # namespace is zeroed, so a crash in between makes the next start zero it again
+    # before anyone is served from it.
+    contents_lost_at: float = 0.0
+    recreating: bool = False
 
     @property
     def device_mode(self) -> str:
@@ -131,16 +155,42 @@ class RegionRecord:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename, fsync of the directory: all or nothing after a crash."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    """Temp file, fsync, rename, fsync of the directory: all or nothing after a crash.
+
+    Any failure (a full file system, EIO, a signal) removes the temp file before the
+    error goes up, so a failed write leaves ``path`` as it was and nothing beside it.
+    Each write makes a fresh temp file of its own (``.<name>.<random>.tmp``, created
+    exclusively, never through a symlink): one a crash left behind can neither fail nor
+    redirect a later write, and :class:`StateStore` removes those at start-up. A short
+    write (what a nearly full file system returns before ENOSPC) is continued, never
+    renamed into place torn.
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                     | os.O_NOFOLLOW, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            failpoints.hit(failpoints.STATE_WRITE, tmp)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        _remove_tmp(tmp)
+        raise
     fsync_dir(path.parent)
+
+
+def _remove_tmp(tmp: Path) -> None:
+    try:
+        tmp.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # the original error is the one to report
+        log.error("cannot remove temp file %s: %s", tmp, exc.strerror)
 
 
 def fsync_dir(path: Path) -> None:
@@ -156,10 +206,32 @@ class StateStore:
     of ``<pool>.json`` region records beside it."""
 
     def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root) / "volumes"
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.regions_root = Path(root) / "regions"
-        self.regions_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.base = Path(root)  # the state directory (--state-dir), named in errors
+        self.root = self.base / "volumes"
+        self.regions_root = self.base / "regions"
+        for directory in (self.root, self.regions_root):
+            try:
+                directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+                stale = sorted(directory.glob(f".*{TMP_SUFFIX}"))
+            except OSError as exc:
+                raise self._error(exc, f"cannot create {directory}") from exc
+            for tmp in stale:  # a write a crash cut short: its record is the old one
+                log.info("removing %s, left by a write that a crash cut short", tmp)
+                _remove_tmp(tmp)
+
+    def _error(self, exc: OSError, doing: str) -> CsiPmemError:
+        """``exc`` on the state directory, as an error naming it and what it needs."""
+        doing = f"{doing} in the state directory {self.base}"
+        if exc.errno == errno.ENOENT:
+            gone = Path(exc.filename).parent if isinstance(exc.filename, str) else self.root
+            return FailedPrecondition(
+                f"{doing}: {gone} is gone ({exc.strerror}); was the "
+                "state directory removed while the driver runs? Restart the driver to "
+                "create it again (records removed with it are lost: their namespaces are "
+                "then reported as orphans)")
+        # The directory written to: its own file system where one is mounted there.
+        fs = Path(exc.filename).parent if isinstance(exc.filename, str) else self.base
+        return from_os_error(exc, doing, fs=str(fs), needs=NEEDS)
 
     def path(self, volume_id: str) -> Path:
         if not _ID.match(volume_id):
@@ -167,19 +239,28 @@ class StateStore:
         return self.root / f"{volume_id}.json"
 
     def get(self, volume_id: str) -> VolumeRecord | None:
+        path = self.path(volume_id)
         try:
-            return VolumeRecord.from_json(self.path(volume_id).read_text())
+            return VolumeRecord.from_json(path.read_text())
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise self._error(exc, f"cannot read the record of volume {volume_id}") from exc
 
     def put(self, record: VolumeRecord) -> None:
-        write_atomic(self.path(record.id), record.to_json().encode())
+        try:
+            write_atomic(self.path(record.id), record.to_json().encode())
+        except OSError as exc:
+            raise self._error(exc, f"cannot save the record of volume {record.id}") from exc
 
     def delete(self, volume_id: str) -> None:
         try:
             self.path(volume_id).unlink()
         except FileNotFoundError:
             return
+        except OSError as exc:
+            raise self._error(exc, f"cannot remove the record of volume {volume_id}") \
+                from exc
         self._fsync_dir()
 
     def all(self) -> list[VolumeRecord]:
@@ -193,7 +274,10 @@ class StateStore:
         return records
 
     def _fsync_dir(self) -> None:
-        fsync_dir(self.root)
+        try:
+            fsync_dir(self.root)
+        except OSError as exc:
+            raise self._error(exc, f"cannot persist a change to {self.root}") from exc
 
     # -- regions --------------------------------------------------------------------
     def region_path(self, pool: str) -> Path:
@@ -216,7 +300,11 @@ class StateStore:
 
     def put_region(self, record: RegionRecord) -> None:
         record.updated_at = time.time()
-        write_atomic(self.region_path(record.pool), record.to_json().encode())
+        try:
+            write_atomic(self.region_path(record.pool), record.to_json().encode())
+        except OSError as exc:
+            raise self._error(
+                exc, f"cannot save the clean-space record of region {record.pool}") from exc
 
     def all_regions(self) -> list[RegionRecord]:
         out = []

@@ -205,7 +205,7 @@ class FsdaxNode:
         then mount. ``rec.formatting`` is the intent: set before mkfs, cleared after
         the first successful mount, so a retry after a crash or timeout formats again
         instead of tripping over a half-written signature."""
-        os.makedirs(path, mode=0o750, exist_ok=True)
+        mounts.make_dir_target(path, rec.id)
         have = self.mounter.fs_signature(ns.device)
         if rec.formatting or have is None:
             if rec.block_used and not rec.formatting:
@@ -296,12 +296,12 @@ class FsdaxNode:
         created = not os.path.lexists(target)
         try:
             if access.kind == MOUNT:
-                os.makedirs(target, mode=0o750, exist_ok=True)
+                mounts.make_dir_target(target, rec.id)
                 if mount_group is not None and not readonly:
                     filesystems.apply_group(source, mount_group)
             else:
                 if created:
-                    os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+                    mounts.make_file_target(target, rec.id)
                 rec.block_used = True
                 if readonly:
                     pub.view = PENDING_VIEW
