@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
+from csi_pmem import unixsock
 from csi_pmem.daxclient import unix_address
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ class DaxSocketServer:
             if endpoint is not None:
                 self._drop(endpoint)
                 _unlink_own_socket(endpoint)
-            elif _is_stale_socket(path):
+            elif unixsock.socket_state(path) == unixsock.STALE:
                 # Left by an earlier node plugin process; a live one may own it now.
                 _unlink_socket(path)
         self._wake()
@@ -208,7 +209,12 @@ class DaxSocketServer:
             self._closed = True
             for endpoint in list(self._endpoints.values()):
                 self._drop(endpoint)
-                _unlink_own_socket(endpoint)
+                try:
+                    _unlink_own_socket(endpoint)
+                except OSError as exc:
+                    # A sealed (read-only) publication keeps its socket file; nobody
+                    # listens on it now, so the next driver replaces it as stale.
+                    log.debug("dax socket %s stays on disk: %s", endpoint.path, exc)
             self._endpoints.clear()
         self._wake()
         if threading.current_thread() is not self._thread:
@@ -437,28 +443,6 @@ def _unlink_own_socket(endpoint: _Endpoint) -> None:
         _unlink_socket(endpoint.path)
 
 
-def _is_stale_socket(path: str) -> bool:
-    """True for a socket file nobody listens on (ECONNREFUSED)."""
-    try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            return False
-    except FileNotFoundError:
-        return False
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.setblocking(False)
-        with unix_address(path) as address:
-            probe.connect(address)
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        # EAGAIN (backlog full) and the like: someone is listening.
-        return False
-    finally:
-        probe.close()
-    return False
-
-
 def _set_permissions(path: str, mode: int, gid: int | None) -> None:
     if gid is not None:
         os.chown(path, -1, gid)
@@ -466,16 +450,9 @@ def _set_permissions(path: str, mode: int, gid: int | None) -> None:
 
 
 def _listen(path: str, mode: int, gid: int | None) -> tuple[socket.socket, tuple[int, int]]:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise FileExistsError(
-                errno.EEXIST, "exists and is not a socket; refusing to replace it", path)
-        # Left behind by an earlier node plugin process (a crash or SIGKILL skips stop()).
-        os.unlink(path)
+    # A socket left behind by an earlier node plugin process (a crash or SIGKILL skips
+    # stop()) is replaced; one that a live process serves, or any other file, is not.
+    unixsock.claim(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound = False
     try:

@@ -7,6 +7,7 @@ deployment to keep in step.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -22,7 +23,9 @@ from csi_pmem.config import ServeConfig, grpc_address
 from csi_pmem.csi import csi_pb2_grpc
 from csi_pmem.daxsock import DaxSocketServer
 from csi_pmem.driver import Driver, DriverConfig
+from csi_pmem.errors import InvalidArgument
 from csi_pmem.gpucopy.link import ServiceLink
+from csi_pmem.instance import AlreadyRunning, StateDirLock
 from csi_pmem.metrics import Metrics
 from csi_pmem.mounter import HostMounter, Mounter
 from csi_pmem.servicers import rpc as rpc_module
@@ -30,6 +33,7 @@ from csi_pmem.servicers.controller import ControllerServicer
 from csi_pmem.servicers.identity import IdentityServicer
 from csi_pmem.servicers.node import NodeServicer
 from csi_pmem.state import StateStore
+from csi_pmem.unixsock import SocketInUse, claim
 
 if TYPE_CHECKING:
     from csi_pmem.udev import DeviceWatcher  # imported when started: it needs pyudev
@@ -46,7 +50,7 @@ def make_backend(cfg: ServeConfig, mounter: Mounter) -> Backend:
 
     return EmulatedBackend(cfg.emulated_root, parse_regions(cfg.emulated_regions),
                            device_type=cfg.emulated_device, loops=mounter,
-                           free_space=cfg.emulated_free_space)
+                           free_space=cfg.emulated_free_space, media=cfg.emulated_media)
 
 
 def worker_count(cfg: ServeConfig) -> int:
@@ -58,7 +62,16 @@ def worker_count(cfg: ServeConfig) -> int:
 class Server:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
+        # First, before any state is read or any device touched: a second driver on this
+        # state dir stops here (csi_pmem.instance says why).
+        self.lock = StateDirLock(cfg.state_dir)
+        # Then what another process may hold, still before the back end or the state is
+        # touched: a driver that cannot serve leaves the devices and the pods' sockets
+        # alone, and says why in one line.
+        self._claim_endpoint(cfg.endpoint)
         self.metrics = Metrics(cfg.driver_name, backend=cfg.backend)
+        if cfg.metrics_address:
+            self._serve_metrics(cfg.metrics_address)
         self.mounter = HostMounter()
         self.backend = make_backend(cfg, self.mounter)
         os.makedirs(cfg.state_dir, exist_ok=True)
@@ -74,6 +87,7 @@ class Server:
             self.backend, StateStore(cfg.state_dir), self.dax,
             on_erase=self.metrics.observe_erase,
             on_erase_error=self.metrics.erase_failures.inc,
+            on_recreate=self.metrics.observe_recreate,
             gpu_copy=ServiceLink(cfg.gpu_copy_socket) if cfg.gpu_copy_socket else None,
             mounter=self.mounter)
         self.metrics.watch_pools(self.backend, lambda: self.driver.orphans)
@@ -92,11 +106,7 @@ class Server:
     def start(self) -> None:
         started = time.monotonic()
         self.driver.reconcile()
-        address, path = grpc_address(self.cfg.endpoint)
-        if path:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            if os.path.exists(path):
-                os.unlink(path)  # a stale socket from a previous run
+        address, _ = grpc_address(self.cfg.endpoint)
         # Said before the socket answers, so whoever sees the driver serving can also
         # find why a region is unusable in the log.
         ok, reason = self.backend.probe()
@@ -104,14 +114,38 @@ class Server:
             log.warning("%s: %s", "not ready" if not ok else "serving with problems", reason)
         self.grpc.add_insecure_port(address)
         self.grpc.start()
-        if self.cfg.metrics_address:
-            self.metrics.serve(self.cfg.metrics_address)
         if self.cfg.backend == "ndctl":
             self._start_watcher()
         log.info("csi-pmem %s serving %s on %s (node %s, back end %s, %s) in %.2f s",
                  self.cfg.driver_name, "Identity/Controller/Node", self.cfg.endpoint,
                  self.cfg.node_id, self.cfg.backend, f"{'ready' if ok else 'NOT READY'}: {reason}",
                  time.monotonic() - started)
+
+    @staticmethod
+    def _claim_endpoint(endpoint: str) -> None:
+        _, path = grpc_address(endpoint)
+        if not path:
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            claim(path)  # a stale socket from a previous run goes; a live one stays
+        except SocketInUse:
+            raise AlreadyRunning(f"{path}: another process serves this endpoint; stop it, "
+                                 "or give this driver its own --endpoint") from None
+
+    def _serve_metrics(self, address: str) -> None:
+        try:
+            self.metrics.serve(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise AlreadyRunning(
+                    f"metrics address {address} is taken by another process; stop it, or "
+                    "give this driver another --metrics-address") from None
+            raise InvalidArgument(f"cannot serve metrics on {address}: "
+                                  f"{exc.strerror or exc}") from None
+        except ValueError as exc:  # a port that is not a number
+            raise InvalidArgument(f"--metrics-address {address!r}: use host:port ({exc})") \
+                from None
 
     def _start_watcher(self) -> None:
         from csi_pmem.udev import DeviceWatcher
@@ -137,8 +171,13 @@ class Server:
     def wait(self) -> None:
         """Until stop() has ended, not just begun: the signal handler runs stop() in a
         daemon thread, and an interpreter that exits meanwhile would cut the driver's
-        close short, with a background erase's ndctl destroy half done."""
-        self._done.wait()
+        close short, with a background erase's ndctl destroy half done.
+
+        In slices, not one wait: the kernel may deliver SIGTERM to any of the process's
+        threads, and then only the main thread's next bytecode runs the handler; a main
+        thread blocked in one untimed wait would never see the signal."""
+        while not self._done.wait(0.5):
+            pass
 
     def stop(self, grace: float = 5.0) -> None:
         if self._stopped.is_set():
@@ -152,6 +191,7 @@ class Server:
             rpc_module.observers[:] = [o for o in rpc_module.observers
                                        if o != self.metrics.observe_rpc]
         finally:
+            self.lock.release()
             self._done.set()
 
 

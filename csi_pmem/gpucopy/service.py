@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Any
 
+from csi_pmem import unixsock
 from csi_pmem.gpucopy import protocol
 from csi_pmem.gpucopy.copier import Copier, CopyError, HostCopy
 from csi_pmem.loader.errors import LoaderError
@@ -191,12 +192,13 @@ class CopyService:
         self.served = self.failed = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.lstat(socket_path).st_mode):
-                os.unlink(socket_path)
+        # A stale socket of a dead service goes; a live service's stays (a second one
+        # stops here with EADDRINUSE instead of cutting the first one's pods off).
+        unixsock.claim(socket_path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(socket_path)
         os.chmod(socket_path, 0o600)
+        self._inode = os.lstat(socket_path).st_ino
         self._sock.listen(64)
         self._threads = [threading.Thread(target=self._accept, name="control", daemon=True),
                          threading.Thread(target=self._poll, name="poll", daemon=True)]
@@ -214,7 +216,8 @@ class CopyService:
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+            if os.lstat(self.socket_path).st_ino == self._inode:  # ours, not a successor's
+                os.unlink(self.socket_path)
         with self._lock:
             states, self.volumes = list(self.volumes.values()), {}
         for st in states:

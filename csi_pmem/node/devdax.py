@@ -35,7 +35,13 @@ import stat
 from csi_pmem import failpoints, mounts
 from csi_pmem.backends.base import Backend, Namespace
 from csi_pmem.daxsock import DaxSocketServer
-from csi_pmem.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from csi_pmem.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    from_os_error,
+)
 from csi_pmem.filesystems import Usage
 from csi_pmem.gpucopy.link import ServiceLink
 from csi_pmem.mounter import Mounter
@@ -50,6 +56,7 @@ from csi_pmem.state import (
     StateStore,
     VolumeRecord,
 )
+from csi_pmem.unixsock import SocketInUse
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +114,7 @@ class DevdaxNode:
         self.store.put(rec)
         failpoints.hit(failpoints.PUBLISH_AFTER_RECORD)
         try:
-            os.makedirs(target, mode=0o750, exist_ok=True)
+            mounts.make_dir_target(target, rec.id)
             if current is None:
                 self.mounter.mount_tmpfs(target, mounts.source_for(rec.id))
             failpoints.hit(failpoints.PUBLISH_AFTER_MOUNT)
@@ -184,11 +191,16 @@ class DevdaxNode:
         if current is not None and current.readonly:
             self.mounter.remount(target, readonly=False)
         meta_path = os.path.join(target, METADATA_FILE)
-        with open(meta_path, "w") as f:
-            json.dump(self._metadata(rec, pub), f, indent=1)
-            f.write("\n")
-        os.chmod(meta_path, 0o644)
-        os.chmod(target, 0o755)
+        try:
+            with open(meta_path, "w") as f:
+                json.dump(self._metadata(rec, pub), f, indent=1)
+                f.write("\n")
+            os.chmod(meta_path, 0o644)
+            os.chmod(target, 0o755)
+        except OSError as exc:
+            raise from_os_error(exc, f"cannot write {meta_path} for volume {rec.id}",
+                                needs=f"the target's own {mounts.TMPFS_SIZE} tmpfs holds "
+                                "volume.json and dax.sock") from exc
         self._serve(rec, pub)
         self._seal(target)
 
@@ -216,11 +228,18 @@ class DevdaxNode:
                                lambda: self.backend.open_device(ns, True),
                                pod_uid=pub.pod_uid, mode=mode, gid=gid,
                                forward=lambda conn, fd: link.forward(meta, conn, fd))
+        except SocketInUse as exc:
+            raise FailedPrecondition(
+                f"{exc.filename}: another process serves this socket (a second driver on "
+                "this node?); it is left alone: stop that process and retry") from exc
         except FileExistsError as exc:
             raise FailedPrecondition(
-                f"{sock} exists and is not a socket; refusing to replace it") from exc
+                f"{exc.filename or sock} exists and is not a socket; refusing to replace "
+                "it") from exc
         except ValueError as exc:
             raise InvalidArgument(f"cannot serve {sock}: {exc}") from exc
+        except OSError as exc:
+            raise from_os_error(exc, f"cannot serve {sock} for volume {rec.id}") from exc
         if sealed:
             self._seal(pub.target)
         if self.gpu_copy is not None:
