@@ -12,7 +12,6 @@ texts are written out here, not taken from docstrings, so ``--help`` shows no ma
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -21,11 +20,16 @@ from csi_pmem.cmdline import (
     COMPLETION_HELP,
     Exit,
     HelpFormatter,
+    UsageError,
     add_version,
+    attach_negative_values,
     enable_completion,
     exit_codes_epilog,
+    from_env,
+    positive_seconds,
     quantity,
     quiet_broken_pipe,
+    quiet_interrupt,
 )
 from csi_pmem.errors import CsiPmemError
 
@@ -34,12 +38,20 @@ from csi_pmem.errors import CsiPmemError
 # `serve` and `volume` to a one-line "install csi-pmem[driver]", not a traceback.
 DRIVER_MODULES = ("grpc", "google", "prometheus_client", "pyudev", "yaml")
 EXIT_CODES = (Exit.OK, Exit.ERROR, Exit.USAGE, Exit.REFUSED, Exit.UNREACHABLE,
-              Exit.BROKEN_PIPE)
+              Exit.INTERRUPTED, Exit.BROKEN_PIPE)
 DESCRIPTION = ("csi-pmem serve runs the CSI driver; csi-pmem volume ... talks to it over "
                "its socket, sending the RPCs external-provisioner and kubelet would send.")
 VOLUME_EPILOG = """output: -o table is the default when stdout is a terminal, -o json otherwise, so
 scripts that read the JSON keep working; -o name prints only volume ids, e.g.
-  ID=$(csi-pmem volume create llama --size 1Gi -o name)"""
+  ID=$(csi-pmem volume create llama --size 1Gi -o name)
+
+--endpoint and --timeout go before or after the action (csi-pmem volume list
+--endpoint ...); given twice, the last one counts."""
+DEFAULT_TIMEOUT = 120.0
+# Said on Ctrl-C: the driver goes on with a request it already has, so a script knows
+# what to check (create and delete are idempotent: running them again is safe).
+INTERRUPTED_NOTE = ("; a request the driver already received may still complete (create "
+                    "and delete may be run again)")
 
 
 def key_value(text: str) -> tuple[str, str]:
@@ -56,6 +68,10 @@ def _complete_volume_ids(prefix: str, parsed_args: argparse.Namespace,
     """argcomplete's completer for VOLUME_ID: the ids the driver lists."""
     from csi_pmem import client
 
+    try:
+        parsed_args.endpoint = endpoint(parsed_args)
+    except UsageError:
+        return []  # a completion must never print an error into the command line
     return [v for v in client.volume_ids(parsed_args) if v.startswith(prefix)]
 
 
@@ -79,18 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
         "volume", help="create, list, publish ... volumes over the CSI socket",
         description="A CSI client over the driver's socket: create, publish and inspect "
                     "volumes without Kubernetes.", formatter_class=HelpFormatter,
-        epilog=exit_codes_epilog(EXIT_CODES, VOLUME_EPILOG))
-    vol.add_argument("--endpoint", default=os.environ.get(config.env_name("endpoint"),
-                                                          config.DEFAULTS["endpoint"]),
-                     help="driver endpoint [env CSI_PMEM_ENDPOINT]")
-    vol.add_argument("--timeout", type=float, default=120, help="seconds per call")
+        epilog=exit_codes_epilog(EXIT_CODES, VOLUME_EPILOG),
+        parents=[_connection_flags(defaults=True)])
+    conn = _connection_flags(defaults=False)
     out = argparse.ArgumentParser(add_help=False)
     out.add_argument("-o", "--output", choices=volume_output.FORMATS, default=None,
                      help=volume_output.FORMAT_HELP)
     vsub = vol.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     def action(name: str, help: str) -> argparse.ArgumentParser:
-        return vsub.add_parser(name, help=help, description=help, parents=[out],
+        return vsub.add_parser(name, help=help, description=help, parents=[out, conn],
                                formatter_class=HelpFormatter)
 
     def volume_id(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="StorageClass parameter (deviceMode, numaNode, align, eraseOnDelete)")
     _access_flags(c)
     action("list", "ListVolumes, with each volume's condition")
-    d = action("delete", "DeleteVolume (erases, then frees the space)")
+    # Not "zeroes, then frees": DeleteVolume answers the same whether the erase is over
+    # or still running, so no --wait here could know when the space is back.
+    d = action("delete", "DeleteVolume: the volume is gone when this returns; with "
+               "eraseOnDelete (the default) its space is zeroed, and free only once that "
+               "is done: the driver waits for it up to its --delete-wait-seconds (1 s), "
+               "then zeroes on in the background")
     volume_id(d)
     p = action("publish", "NodePublishVolume (devdax: mounts volume.json and dax.sock; "
                "fsdax: binds the device or the staged file system)")
@@ -142,6 +161,34 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _connection_flags(defaults: bool) -> argparse.ArgumentParser:
+    """--endpoint and --timeout, for `volume` (``defaults``) and for every action, so they
+    go before the action and after it, as kubectl's and helm's flags go anywhere.
+
+    An action's flags default to SUPPRESS: one that was not given leaves the attribute
+    alone, so a value given before the action is not overwritten by the action's
+    default; given in both places, the later one counts. Two parsers, not one shared
+    by both levels: argparse shares a parent's actions, and a default set on one level
+    would be set on the other. The endpoint's default (None) is resolved by
+    :func:`endpoint`, which reads CSI_PMEM_ENDPOINT only then."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--endpoint", default=None if defaults else argparse.SUPPRESS,
+                   type=config.endpoint,
+                   help=f"driver endpoint [env {config.env_name('endpoint')}, default "
+                        f"{config.DEFAULTS['endpoint']}]")
+    p.add_argument("--timeout", default=DEFAULT_TIMEOUT if defaults else argparse.SUPPRESS,
+                   type=positive_seconds, metavar="SECONDS",
+                   help=f"seconds per call, more than 0 [default {DEFAULT_TIMEOUT:g}]")
+    return p
+
+
+def endpoint(args: argparse.Namespace) -> str:
+    """--endpoint when given, else CSI_PMEM_ENDPOINT (a bad one is a usage error that
+    names the variable), else the default."""
+    return from_env(getattr(args, "endpoint", None), config.env_name("endpoint"),
+                    config.DEFAULTS["endpoint"], config.endpoint)
+
+
 def _access_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", action="store_true",
                         help="block access type (fsdax volumes only)")
@@ -151,7 +198,11 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
 def exit_code(exc: BaseException) -> Exit:
     """The one table from what went wrong to the exit status (:data:`cmdline.MEANING`
     says what each status tells a script; ``--help`` lists them)."""
-    table: list[tuple[type[BaseException], Exit]] = [(volume_output.OutputError, Exit.USAGE)]
+    from csi_pmem.instance import AlreadyRunning
+
+    table: list[tuple[type[BaseException], Exit]] = [(volume_output.OutputError, Exit.USAGE),
+                                                     (AlreadyRunning, Exit.USAGE),
+                                                     (UsageError, Exit.USAGE)]
     try:
         from csi_pmem import client
     except ModuleNotFoundError:  # no driver extra: no client, so none of its errors
@@ -163,19 +214,22 @@ def exit_code(exc: BaseException) -> Exit:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    enable_completion(parser)
-    args = parser.parse_args(argv)
-    with quiet_broken_pipe():
-        return _run(args)
+    with quiet_interrupt("csi-pmem", INTERRUPTED_NOTE):
+        parser = build_parser()
+        enable_completion(parser)
+        args = parser.parse_args(attach_negative_values(
+            parser, sys.argv[1:] if argv is None else argv))
+        with quiet_broken_pipe():
+            return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "serve":
             from csi_pmem import logs, server
+            from csi_pmem.backends.emulated import parse_regions
 
-            cfg = config.from_args(args)
+            cfg = config.from_args(args, {"emulated_regions": parse_regions})
             logs.setup(cfg.log_format, cfg.log_level)
             return server.serve(cfg)
         if args.command == "gpu-copy":
@@ -185,6 +239,7 @@ def _run(args: argparse.Namespace) -> int:
         from csi_pmem import client
         from csi_pmem.daxclient import DaxSocketError
 
+        args.endpoint = endpoint(args)
         fmt = args.output or volume_output.default_format()
         volume_output.check(args.action, fmt)
         try:

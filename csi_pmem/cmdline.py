@@ -6,6 +6,10 @@ pipe. The exit codes are the one table here (:data:`MEANING`); each command line
 ``--help`` epilog is rendered from it, so help, README and code cannot drift apart.
 Standard library only (the common layer): ``csi-pmem-weights`` runs in inference pods
 without the driver's dependencies; argcomplete is used when it is installed.
+
+Values have one grammar wherever they are typed: the argparse types here check a flag
+on the command line, and :func:`from_env` checks the same text when it comes from an
+environment variable instead, naming the variable: either is a usage error (exit 2).
 """
 
 from __future__ import annotations
@@ -13,15 +17,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
+import math
 import os
+import re
 import signal
 import sys
 import textwrap
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
 
 import csi_pmem
 from csi_pmem.errors import InvalidArgument
 from csi_pmem.sizes import parse_quantity
+
+T = TypeVar("T")
 
 
 class Exit(enum.IntEnum):
@@ -41,7 +50,10 @@ MEANING = {
     Exit.OK: "success",
     Exit.ERROR: "an error on this side (a file or volume that cannot be used, a missing "
                 "dependency); the message says which",
-    Exit.USAGE: "a usage error: an unknown flag or a bad value (argparse)",
+    Exit.USAGE: "a usage error: an unknown flag, or a bad value of a flag or of a "
+                "CSI_PMEM_* environment variable (the message names which); for serve "
+                "and gpu-copy, another process holding the state dir, the socket or the "
+                "metrics port",
     Exit.MISMATCH: "verify found chunks that do not match their checksums",
     Exit.REFUSED: "the driver answered with a gRPC error status (INVALID_ARGUMENT, "
                   "NOT_FOUND, OUT_OF_RANGE, RESOURCE_EXHAUSTED, ...), named in the message",
@@ -52,6 +64,11 @@ MEANING = {
 }
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class UsageError(InvalidArgument):
+    """A bad value that argparse could not see: an environment variable's (``str(e)``
+    names it), or one a command checks after parsing. Exits :attr:`Exit.USAGE`."""
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -104,6 +121,101 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number of at least 0 (0 often means "sized for me")."""
+    if not text.strip().isdecimal():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 0 or more")
+    return int(text)
+
+
+def _seconds(text: str, least: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (least == "positive" and value == 0):
+        what = "positive" if least == "positive" else "non-negative"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {what} number of seconds")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0 (a timeout of 0 would fail
+    every call as a deadline exceeded, which reads as "worth a retry")."""
+    return _seconds(text, "positive")
+
+
+def non_negative_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds of 0 or more (0: do not wait)."""
+    return _seconds(text, "non-negative")
+
+
+def one_of(choices: Sequence[str]) -> Callable[[str], str]:
+    """A check for :func:`from_env` of a flag given ``choices=`` (argparse checks a value
+    typed on the command line against them, but never a default)."""
+    def check(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"invalid choice {text!r} (use one of "
+                                             f"{', '.join(choices)})")
+        return text
+    return check
+
+
+def from_env(given: T | None, name: str, default: str, check: Callable[[str], T]) -> T:
+    """A flag's value: ``given`` when it was on the command line (argparse has checked
+    it), else environment variable ``name``'s, else ``default``, read by ``check``.
+
+    Why not ``default=os.environ.get(name)`` on the flag: argparse then reports a bad
+    variable as a bad flag, or not at all (it never checks a default against
+    ``choices``), and it reads it while building the parser, so one bad variable broke
+    every command, even those that never use it. Raises :class:`UsageError` naming the
+    variable."""
+    if given is not None:
+        return given
+    text = os.environ.get(name)
+    if text is None:
+        return check(default)
+    try:
+        return check(text)
+    except (argparse.ArgumentTypeError, InvalidArgument, ValueError) as exc:
+        raise UsageError(f"environment variable {name}: {exc}") from None
+
+
+# What argparse takes for a flag although it is a value: "-1Gi", "-.5", "-1e3" (only
+# "-1" and "-1.5" count as negative numbers to it).
+_NEGATIVE = re.compile(r"-\.?\d")
+
+
+def attach_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``argv`` with a value that starts with a minus joined to its flag
+    (``--size -1Gi`` becomes ``--size=-1Gi``, the form the argparse documentation gives
+    for such values), so that the value's own type refuses it with a reason ("a size
+    cannot be negative") instead of argparse's "expected one argument".
+
+    Only flags of ``parser`` and its sub-commands that take exactly one value are
+    joined, and only to a word that cannot be a flag (a minus and then a digit); nothing
+    after ``--`` is touched."""
+    takes_one = {opt for p in _parsers(parser) for a in p._actions
+                 if a.option_strings and a.nargs is None for opt in a.option_strings}
+    out, i = list(argv), 0
+    while i < len(out) - 1 and out[i] != "--":
+        if out[i] in takes_one:
+            if _NEGATIVE.match(out[i + 1]):
+                out[i:i + 2] = [f"{out[i]}={out[i + 1]}"]
+            elif out[i + 1] != "--":
+                i += 1  # the flag's value, whatever it looks like, is no flag
+        i += 1
+    return out
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
 def quantity(text: str) -> int:
     """An argparse type: a byte count as a Kubernetes quantity, as in manifests (16Gi is
     16 GiB, 16G is 16*10^9 bytes; :func:`csi_pmem.sizes.parse_quantity`)."""
@@ -134,6 +246,22 @@ shell completion (argcomplete, which the driver and loader extras install):
   bash: eval "$(register-python-argcomplete {prog})"   (in ~/.bashrc)
   zsh:  autoload -U bashcompinit && bashcompinit
         eval "$(register-python-argcomplete {prog})"   (in ~/.zshrc)"""
+
+
+@contextlib.contextmanager
+def quiet_interrupt(prog: str, note: str = "") -> Iterator[None]:
+    """Ctrl-C ends the command with one line on stderr and :attr:`Exit.INTERRUPTED`.
+
+    Why: Python's default is a traceback of wherever the main thread waited (30 lines of
+    gRPC internals for ``csi-pmem volume list``), then death by SIGINT; the exit code
+    table promises 130 and a line that says what the interruption leaves behind
+    (``note``). Commands that serve (``serve``, ``gpu-copy``, ``sidecar``) install
+    their own SIGINT handler and stop gracefully instead; this covers their start-up."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted{note}", file=sys.stderr)
+        raise SystemExit(Exit.INTERRUPTED) from None
 
 
 @contextlib.contextmanager

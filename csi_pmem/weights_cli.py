@@ -29,10 +29,12 @@ from csi_pmem.cmdline import (
     Exit,
     HelpFormatter,
     add_version,
+    attach_negative_values,
     enable_completion,
     exit_codes_epilog,
     log_level,
     quiet_broken_pipe,
+    quiet_interrupt,
 )
 from csi_pmem.cmdline import quantity as parse_size
 from csi_pmem.loader import errors, sidecar, staging
@@ -238,13 +240,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    enable_completion(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
-    with quiet_broken_pipe():
-        return _run(args)
+    # Ctrl-C anywhere, not only in the command: what was copied and verified stays.
+    with quiet_interrupt("csi-pmem-weights", "; run the same command again to resume"):
+        parser = build_parser()
+        enable_completion(parser)
+        args = parser.parse_args(attach_negative_values(
+            parser, sys.argv[1:] if argv is None else argv))
+        logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                            format="%(levelname)s %(name)s: %(message)s")
+        with quiet_broken_pipe():
+            return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -253,10 +258,6 @@ def _run(args: argparse.Namespace) -> int:
     except errors.LoaderError as exc:
         print(f"csi-pmem-weights: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("csi-pmem-weights: interrupted; run the same command again to resume",
-              file=sys.stderr)
-        return Exit.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -53,10 +53,25 @@ def test_errors_are_one_line_with_the_code(driver):
             (("create", "big", "--size", "10Gi"), 4, "OUT_OF_RANGE: a volume of 10.0 GiB"),
             (("create", "x", "--size", "1Gi", "-p", "align=4Ki"), 4, "2Mi or 1Gi"),
             (("create", "x", "--size", "lots"), 2, "argument --size: invalid size 'lots'"),
+            (("create", "x", "--size", "-1Gi"), 2,
+             "argument --size: invalid size '-1Gi': a size cannot be negative"),
+            (("list", "--timeout", "0"), 2,
+             "argument --timeout: '0' is not a positive number of seconds"),
             (("inspect", "/nonexistent"), 1, "does not exist")]:
         res = cli(driver, *args)
         assert res.returncode == code and needle in res.stderr, res.stderr
         assert "Traceback" not in res.stderr
+
+
+def test_endpoint_after_the_action_beats_the_variable(driver, tmp_path):
+    """kubectl-style: --endpoint after the action; it overrides CSI_PMEM_ENDPOINT."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT),
+               CSI_PMEM_ENDPOINT=f"unix://{tmp_path}/nothing.sock")
+    res = subprocess.run([sys.executable, "-m", "csi_pmem", "volume", "info", "-o", "json",
+                          "--endpoint", f"unix://{driver.socket}", "--timeout", "60"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["probe"]["ready"] is True
 
 
 def test_the_walkthrough_by_name_and_table(driver):

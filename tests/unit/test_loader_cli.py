@@ -6,6 +6,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import select
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -199,3 +202,35 @@ def test_bench_loader_cpu_only_smoke(tmp_path):
     assert "GB/s" in proc.stdout
     # The staged volume is a normal staged model: the loader reads it back.
     assert load_numpy(str(tmp_path / "w" / "volume.img"))
+
+
+def test_a_negative_size_is_a_size_error(tmp_path, capsys):
+    """argparse took "-1Gi" for a flag ("expected one argument")."""
+    for flag in ("--size", "--align"):
+        with pytest.raises(SystemExit) as usage:
+            cli("stage", tmp_path / "src", tmp_path / "v.img", flag, "-1Gi")
+        assert usage.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: invalid size '-1Gi': a size cannot be negative" in err, err
+    assert not (tmp_path / "v.img").exists()
+
+
+def test_ctrl_c_exits_130_with_one_line(tmp_path):
+    """Ctrl-C while the node plugin does not answer: a dax.sock that listens and never
+    accepts. The command has connected (the listener turns readable) and waits."""
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(tmp_path / "dax.sock"))
+        listener.listen(8)
+        proc = subprocess.Popen([sys.executable, "-m", "csi_pmem.weights_cli", "ls",
+                                 str(tmp_path)], stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        try:
+            connected, _, _ = select.select([listener], [], [], 120)
+            assert connected, "the command never connected"
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == weights_cli.Exit.INTERRUPTED == 130, err
+    assert err == "csi-pmem-weights: interrupted; run the same command again to resume\n"

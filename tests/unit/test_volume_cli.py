@@ -8,7 +8,10 @@ import argparse
 import importlib.metadata
 import json
 import os
+import select
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 from concurrent import futures
@@ -18,7 +21,7 @@ import grpc
 import pytest
 import yaml
 
-from csi_pmem import cli, cmdline, volume_output, weights_cli
+from csi_pmem import cli, cmdline, config, volume_output, weights_cli
 from csi_pmem.cmdline import Exit
 from csi_pmem.csi import csi_pb2_grpc
 from csi_pmem.servicers.controller import ControllerServicer
@@ -239,3 +242,135 @@ def test_the_readme_walkthrough_parses_and_needs_no_python():
         args = parser.parse_args(argv[1:])
         assert args.command == "volume", argv
     assert sum(a[-2:] == ["-o", "name"] for a in commands) == 2
+
+
+# --------------------------------------------------------------------------- flags
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return cli.build_parser().parse_args(["volume", *argv])
+
+
+def test_endpoint_and_timeout_go_before_or_after_the_action(monkeypatch):
+    """As kubectl's and helm's flags do: before the action, after it, or both (the later
+    one counts); a value before the action is never replaced by the action's default,
+    and CSI_PMEM_ENDPOINT is the default of both places."""
+    monkeypatch.delenv("CSI_PMEM_ENDPOINT", raising=False)
+    before = _parse("--endpoint", "unix:///a.sock", "--timeout", "7", "list")
+    assert (cli.endpoint(before), before.timeout) == ("unix:///a.sock", 7.0)
+    after = _parse("list", "--endpoint", "unix:///b.sock", "--timeout", "5")
+    assert (cli.endpoint(after), after.timeout) == ("unix:///b.sock", 5.0)
+    both = _parse("--endpoint", "unix:///a.sock", "--timeout", "7", "delete", "v",
+                  "--endpoint", "unix:///b.sock")
+    assert (cli.endpoint(both), both.timeout) == ("unix:///b.sock", 7.0)
+    neither = _parse("list")
+    assert (cli.endpoint(neither), neither.timeout) == (config.DEFAULTS["endpoint"],
+                                                      cli.DEFAULT_TIMEOUT)
+    monkeypatch.setenv("CSI_PMEM_ENDPOINT", "unix:///env.sock")
+    assert cli.endpoint(_parse("list")) == "unix:///env.sock"
+    assert cli.endpoint(_parse("--endpoint", "unix:///a.sock", "list")) == "unix:///a.sock"
+    assert cli.endpoint(_parse("list", "--endpoint", "unix:///b.sock")) == "unix:///b.sock"
+
+
+def test_flags_after_the_action_reach_the_driver(served, capsys, monkeypatch):
+    vid = volume(served, capsys, "create", "c", "--size", "64Mi", "-o", "name")[1].strip()
+    code = cli.main(["volume", "list", "-o", "name", "--endpoint", served.endpoint,
+                     "--timeout", "30"])
+    assert (code, capsys.readouterr().out.split()) == (Exit.OK, [vid])
+    monkeypatch.setenv("CSI_PMEM_ENDPOINT", served.endpoint)
+    assert cli.main(["volume", "list", "-o", "name"]) == Exit.OK
+    assert capsys.readouterr().out.split() == [vid]
+    # a flag after the action beats the variable: nothing listens there
+    gone = f"unix://{served.base}/gone.sock"
+    assert cli.main(["volume", "list", "--endpoint", gone]) == Exit.UNREACHABLE
+    assert "gone.sock" in capsys.readouterr().err
+
+
+def test_a_bad_endpoint_variable_is_a_usage_error_naming_it(capsys, monkeypatch):
+    monkeypatch.setenv("CSI_PMEM_ENDPOINT", "localhost:1234")
+    assert cli.main(["volume", "list"]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("csi-pmem: environment variable CSI_PMEM_ENDPOINT: endpoint "
+                          "'localhost:1234': use unix:///path.sock or tcp://host:port"), err
+    assert err.count("\n") == 1
+    with pytest.raises(SystemExit) as usage:
+        cli.main(["volume", "list", "--endpoint", "localhost:1234"])
+    assert usage.value.code == Exit.USAGE
+    assert "argument --endpoint: endpoint 'localhost:1234'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "-0.5", "-1e3", "nan", "inf", "soon", ""])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_timeout_must_be_a_positive_number(value, where, capsys):
+    """0 used to be sent, and came back as DEADLINE_EXCEEDED, which reads as worth a
+    retry (exit 5); it is a usage error, found before anything is sent."""
+    flags = ["--timeout", value, "--endpoint", "unix:///nowhere.sock"]
+    argv = ["volume", *flags, "list"] if where == "before" else ["volume", "list", *flags]
+    with pytest.raises(SystemExit) as usage:
+        cli.main(argv)
+    assert usage.value.code == Exit.USAGE
+    err = capsys.readouterr().err
+    assert f"argument --timeout: {value!r} is not a positive number of seconds" in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "-1Gi"], "argument --size: invalid size '-1Gi': a size cannot be negative"),
+    (["--size=-1Gi"], "argument --size: invalid size '-1Gi': a size cannot be negative"),
+    (["--size", "-1"], "argument --size: invalid size '-1': a size cannot be negative"),
+    (["--size", "1Gi", "--limit", "-1Gi"],
+     "argument --limit: invalid size '-1Gi': a size cannot be negative"),
+    (["--size", "-.5Gi"], "argument --size: invalid size '-.5Gi': a size cannot be negative"),
+    (["--size", "1Gi", "-p", "-1"], "argument --param/-p: parameter '-1' must look like"),
+    (["--size", "-o"], "argument --size: expected one argument"),  # a flag stays a flag
+])
+def test_a_negative_size_is_a_size_error(argv, message, capsys):
+    """argparse took "-1Gi" for a flag ("expected one argument"); the size's own check
+    now says what is wrong with it."""
+    with pytest.raises(SystemExit) as usage:
+        cli.main(["volume", "create", "x", *argv, "--endpoint", "unix:///nowhere.sock"])
+    assert usage.value.code == Exit.USAGE
+    assert message in capsys.readouterr().err
+
+
+def test_negative_values_are_joined_only_to_flags_that_take_one():
+    parser = cli.build_parser()
+    join = cmdline.attach_negative_values
+    assert join(parser, ["volume", "create", "x", "--size", "-1Gi", "--limit", "-2"]) == \
+        ["volume", "create", "x", "--size=-1Gi", "--limit=-2"]
+    # a flag's value is not looked at as a flag; nothing after -- is touched; flags
+    # without a value (--block) are left alone, as is a word that is no number
+    assert join(parser, ["--param", "--size", "-1Gi"]) == ["--param", "--size", "-1Gi"]
+    assert join(parser, ["--", "--size", "-1Gi"]) == ["--", "--size", "-1Gi"]
+    assert join(parser, ["--block", "-1Gi", "--size", "-x"]) == \
+        ["--block", "-1Gi", "--size", "-x"]
+    assert join(parser, ["--size"]) == ["--size"]
+
+
+def test_delete_says_the_space_may_come_back_after_it_returns():
+    """DeleteVolume returns after --delete-wait-seconds with the erase still running;
+    the help must not promise the space is free when it returns."""
+    page = _actions(_actions(cli.build_parser())["volume"])["delete"].format_help()
+    assert "background" in page and "then frees" not in page
+
+
+def test_ctrl_c_exits_130_with_one_line(tmp_path):
+    """Ctrl-C while the driver does not answer: a socket that listens and never accepts.
+    The client has connected (the listener turns readable) and waits for its answer."""
+    sock = tmp_path / "csi.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(sock))
+        listener.listen(8)
+        proc = subprocess.Popen([sys.executable, "-m", "csi_pmem", "volume", "list",
+                                 "--endpoint", f"unix://{sock}"], stderr=subprocess.PIPE,
+                                text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        try:
+            connected, _, _ = select.select([listener], [], [], 120)
+            assert connected, "the client never connected"
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == Exit.INTERRUPTED == 130, err
+    assert err.startswith("csi-pmem: interrupted") and err.count("\n") == 1, err
+    assert "Traceback" not in err
