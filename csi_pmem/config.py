@@ -11,9 +11,19 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from csi_pmem import DEFAULT_DRIVER_NAME
+from csi_pmem.cmdline import (
+    UsageError,
+    from_env,
+    non_negative_int,
+    non_negative_seconds,
+    one_of,
+    positive_int,
+)
 from csi_pmem.errors import InvalidArgument
 
 DEFAULTS = {
@@ -41,6 +51,7 @@ DEFAULTS = {
     "device_poll_seconds": "30",
     "gpu_copy_socket": "",
     "device_node": "off",
+    "emulated_media": "auto",
 }
 HELP = {
     "endpoint": "gRPC endpoint: unix:///path/csi.sock or tcp://127.0.0.1:PORT",
@@ -77,11 +88,18 @@ HELP = {
     "device_node": "on: devdax publications name the volume's device node in volume.json "
                    "(device_node), so the NRI plugin (csi-pmem-nri) adds it to the pod's "
                    "containers that mount the volume; off: dax.sock only",
+    "emulated_media": "what a node restart does to the emulated pools: volatile (their "
+                      "files are lost: a volume found gone is carved again, empty and "
+                      "zeroed, under the same id, and its condition says its contents were "
+                      "lost), persistent (they survive: a volume found gone stays abnormal, "
+                      "never recreated) or auto (volatile when the emulated root is on "
+                      "tmpfs, ramfs or hugetlbfs, persistent otherwise)",
 }
 CHOICES = {"backend": ("ndctl", "emulated"), "log_format": ("text", "json"),
            "emulated_device": ("file", "loop"), "emulated_free_space": ("fresh", "reuse"),
            "erase_verify": ("sampled", "full", "off"), "scrub": ("auto", "off"),
-           "log_level": ("debug", "info", "warning", "error"), "device_node": ("off", "on")}
+           "log_level": ("debug", "info", "warning", "error"), "device_node": ("off", "on"),
+           "emulated_media": ("auto", "persistent", "volatile")}
 
 
 @dataclass(frozen=True)
@@ -110,38 +128,70 @@ class ServeConfig:
     delete_wait_seconds: float = 1.0
     scrub: str = "auto"
     device_node: str = "off"
+    emulated_media: str = "auto"
 
 
 def env_name(key: str) -> str:
     return "CSI_PMEM_" + key.upper()
 
 
+def endpoint(text: str) -> str:
+    """An argparse type: a CSI endpoint :func:`grpc_address` can use."""
+    try:
+        grpc_address(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+# How a value's text is read, for the command line (argparse) and for the environment
+# and the defaults (from_args) alike; a key without an entry is text, checked against
+# CHOICES when it has some.
+TYPES: dict[str, Callable[[str], Any]] = {
+    "endpoint": endpoint,
+    "erase_threads": non_negative_int, "grpc_workers": non_negative_int,
+    "erase_workers": positive_int,
+    "device_poll_seconds": non_negative_seconds, "erase_wait_seconds": non_negative_seconds,
+    "delete_wait_seconds": non_negative_seconds,
+}
+
+
+def flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """Every key of DEFAULTS as a flag. A flag not given is None here: :func:`from_args`
+    reads the environment then, so a bad variable is reported under its own name, and
+    only by ``serve`` (the client commands never read these)."""
     for key, default in DEFAULTS.items():
-        parser.add_argument("--" + key.replace("_", "-"), dest=key,
-                            default=os.environ.get(env_name(key), default),
+        parser.add_argument(flag(key), dest=key, default=None, type=TYPES.get(key, str),
                             choices=CHOICES.get(key),
                             help=f"{HELP[key]} [env {env_name(key)}, default {default!r}]")
 
 
-def from_args(ns: argparse.Namespace) -> ServeConfig:
-    values = {k: getattr(ns, k) for k in DEFAULTS}
-    for key in ("erase_threads", "grpc_workers", "erase_workers"):
-        if not str(values[key]).isdecimal():
-            raise InvalidArgument(f"--{key.replace('_', '-')} must be a non-negative integer")
-        values[key] = int(values[key])
-    if values["erase_workers"] < 1:
-        raise InvalidArgument("--erase-workers must be at least 1")
-    for key in ("device_poll_seconds", "erase_wait_seconds", "delete_wait_seconds"):
+def _check(key: str) -> Callable[[str], Any]:
+    if key in TYPES:
+        return TYPES[key]
+    return one_of(CHOICES[key]) if key in CHOICES else str
+
+
+def from_args(ns: argparse.Namespace,
+              checks: Mapping[str, Callable[[Any], object]] | None = None) -> ServeConfig:
+    """The configuration from the flags given, else the CSI_PMEM_* environment, else
+    DEFAULTS. A bad value raises :class:`csi_pmem.cmdline.UsageError` naming the
+    variable (``CSI_PMEM_LOG_LEVEL``) or the flag it came from. ``checks`` are further
+    validators by key (the caller's, e.g. the emulated back end's region grammar, which
+    this layer cannot import); they raise InvalidArgument or ValueError."""
+    values = {k: from_env(getattr(ns, k, None), env_name(k), DEFAULTS[k], _check(k))
+              for k in DEFAULTS}
+    for key, check in (checks or {}).items():
         try:
-            values[key] = float(values[key])
-        except ValueError:
-            raise InvalidArgument(f"--{key.replace('_', '-')} must be a number") from None
-        if not values[key] >= 0:
-            raise InvalidArgument(f"--{key.replace('_', '-')} must not be negative")
-    for key, choices in CHOICES.items():
-        if values[key] not in choices:
-            raise InvalidArgument(f"--{key.replace('_', '-')} must be one of {', '.join(choices)}")
+            check(values[key])
+        except (InvalidArgument, ValueError) as exc:
+            given = getattr(ns, key, None) is not None or env_name(key) not in os.environ
+            where = flag(key) if given else f"environment variable {env_name(key)}"
+            raise UsageError(f"{where}: {exc}") from None
     values["node_id"] = values["node_id"] or socket.gethostname()
     values["emulated_root"] = values["emulated_root"] or os.path.join(values["state_dir"],
                                                                       "emulated")

@@ -23,6 +23,17 @@ once its erase is verified, so its space shows as free only then. Which regions'
 space is known to be zeros lives in the clean-space ledger (:mod:`csi_pmem.cleanspace`):
 CreateVolume zeroes only in dirty regions, and scrubs (:mod:`csi_pmem.scrub`) make them
 clean again.
+
+Volatile pools (``Pool.media``, docs/media.md): a volume outlives its pods, not its node.
+When a READY volume's namespace is gone from a volatile pool (the node restarted, the
+tmpfs of an emulated pool was mounted again, a region was created again), start-up and
+NodePublish/NodeStageVolume carve it again under the same id at its recorded size,
+pool and align (:meth:`Driver._recreate`), zero it through the same path as a create in
+a dirty region, and only then serve it. The volume's condition says its contents were
+lost and when (``VolumeRecord.contents_lost_at``); a staged model is simply absent, so
+the staging sidecar stages it again. Where it cannot be carved (the pool is gone or
+full) it stays abnormal with that reason and is retried at the next start or publish.
+On persistent pools a lost namespace is only ever reported.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from csi_pmem.errors import (
     Aborted,
     AlreadyExists,
     BackendError,
+    CsiPmemError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -106,6 +118,11 @@ def volume_id_for(name: str) -> str:
     return VOLUME_ID_PREFIX + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+def utc_stamp(when: float) -> str:
+    """``when`` (Unix time) as an RFC 3339 UTC time, as Kubernetes prints times."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
+
+
 def is_volume_id(text: str) -> bool:
     rest = text[len(VOLUME_ID_PREFIX):]
     return (text.startswith(VOLUME_ID_PREFIX) and len(rest) == 32
@@ -144,7 +161,8 @@ class Driver:
     def __init__(self, config: DriverConfig, backend: Backend, store: StateStore,
                  dax: DaxSocketServer, on_erase: Callable[[int, float], None] | None = None,
                  gpu_copy: ServiceLink | None = None, mounter: Mounter | None = None,
-                 on_erase_error: Callable[[], None] | None = None):
+                 on_erase_error: Callable[[], None] | None = None,
+                 on_recreate: Callable[[str], None] | None = None):
         self.config = config
         self.backend = backend
         self.store = store
@@ -158,6 +176,11 @@ class Driver:
         # Called when zeroing a namespace fails (the delete then fails and is retried):
         # metrics count it, since data that outlives its volume is what erase prevents.
         self.on_erase_error = on_erase_error or (lambda: None)
+        # Called with the pool's name when a volume of a volatile pool was carved again
+        # after its contents were lost (metrics count it).
+        self.on_recreate = on_recreate or (lambda pool: None)
+        # Volumes of which nothing could be carved again, with why (their condition).
+        self._unrecoverable: dict[str, str] = {}
         self.orphans: list[str] = []
         self._kubelet_real = os.path.realpath(config.kubelet_dir)
         # One publisher per device mode, behind one interface (csi_pmem.node); what
@@ -238,13 +261,24 @@ class Driver:
         if zero:
             self._erase(ns)  # a dirty region: it may hold data of earlier tenants
         capacity = promised_size(ns.usable_size, limit, params.align)
-        record = replace(record, state=READY, size=ns.size, usable_size=capacity,
-                         device=ns.device, numa_node=ns.numa_node)
+        intent, record = record, replace(record, state=READY, size=ns.size,
+                                         usable_size=capacity, device=ns.device,
+                                         numa_node=ns.numa_node)
         if capacity < required:
             raise BackendError(
                 f"namespace {vid} offers {describe_size(ns.usable_size)}, below the "
                 f"{describe_size(required)} requested")
-        self.store.put(record)
+        try:
+            self.store.put(record)
+        except Exception:
+            # No room for the outcome (a full state directory): give the namespace back
+            # now, not only when a retry or a restart finds the CREATING intent.
+            try:
+                self._finish_pending(intent)
+            except Exception:
+                log.exception("could not roll back volume %s now; its creating record "
+                              "rolls it back on the next CreateVolume or start", vid)
+            raise
         log.info("created volume %s (%s) in %s: %s usable (device %s, %s)%s", vid, name,
                  pool.name, format_bytes(capacity), ns.device, format_bytes(ns.usable_size),
                  ", zeroed (dirty region)" if zero else "")
@@ -532,9 +566,27 @@ class Driver:
     def condition(self, rec: VolumeRecord) -> VolumeCondition:
         ns = self.backend.get(rec.id)
         if ns is None:
+            why = self._unrecoverable.get(rec.id)
+            if why is not None:
+                return VolumeCondition(True, why)
+            pool = self._pool_of(rec)
+            if pool is not None and pool.volatile:
+                return VolumeCondition(True, (
+                    f"the namespace of volume {rec.id} has disappeared from volatile pool "
+                    f"{rec.pool} (contents lost at a node restart?); it is carved again, "
+                    "empty, at its next publish or driver start"))
             return VolumeCondition(True, f"the namespace of volume {rec.id} has disappeared")
+        if rec.recreating:
+            return VolumeCondition(True, (
+                f"volume {rec.id} is being carved again after its contents were lost; it "
+                "is zeroed before it is served"))
         if not self.backend.device_present(ns):
             return VolumeCondition(True, f"device {ns.device} of volume {rec.id} is missing")
+        if rec.contents_lost_at:
+            return VolumeCondition(False, (
+                f"device {ns.device} is present; the volume's contents were lost at a node "
+                f"restart at {utc_stamp(rec.contents_lost_at)} (pool {rec.pool} is volatile "
+                "memory) and it was carved again, empty: stage its data again"))
         return VolumeCondition(False, f"device {ns.device} is present")
 
     # ------------------------------------------------------------------ publish
@@ -567,7 +619,7 @@ class Driver:
         (each publish is self-contained) or for fsdax block volumes."""
         path = self.check_target(path)
         with self.inflight.hold(vid, "NodeStageVolume"):
-            rec = self.get(vid)
+            rec = self._restore_if_lost(self.get(vid))
             self._node(rec).stage(rec, path, access)
 
     def unstage(self, vid: str, path: str) -> None:
@@ -582,7 +634,7 @@ class Driver:
         device mode's own story in its publisher (csi_pmem.node)."""
         target = self.check_target(target)
         with self.inflight.hold(vid, "NodePublishVolume"):
-            rec = self.get(vid)
+            rec = self._restore_if_lost(self.get(vid))
             self._check_single_writer(rec, target, readonly, access_mode)
             # Only fsdax file systems are staged; a devdax publish ignores the path.
             staging = self.check_target(staging) if staging and rec.device_mode == FSDAX \
@@ -644,10 +696,11 @@ class Driver:
                 if rec.state != READY:
                     self._finish_pending(rec, wait=False)  # deletes resume in the background
                     continue
-                if ns is None:
-                    log.error("volume %s (%s) has a record but no namespace: reported as "
-                              "abnormal, record kept", rec.id, rec.name)
-                    continue
+                if ns is None or rec.recreating:
+                    found = self._reconcile_lost(rec, ns)
+                    if found is None:
+                        continue
+                    rec, ns = found
                 if ns.device != rec.device:
                     log.info("volume %s moved from %s to %s", rec.id, rec.device, ns.device)
                     rec.device = ns.device
@@ -659,6 +712,141 @@ class Driver:
             log.warning("namespace %s looks like a csi-pmem volume but has no record on this "
                         "node; it is not touched (delete it by hand if it is not needed)", name)
         self.scrubber.schedule_dirty()
+
+    # ------------------------------------------------------------------ volatile pools
+    def _pool_of(self, rec: VolumeRecord) -> Pool | None:
+        return next((p for p in self.backend.pools() if p.name == rec.pool), None)
+
+    def _reconcile_lost(self, rec: VolumeRecord,
+                        ns: Namespace | None) -> tuple[VolumeRecord, Namespace] | None:
+        """At start-up: carve a lost volume of a volatile pool again (or finish a carve a
+        crash cut short); report any other lost volume. The new record and namespace,
+        or None."""
+        pool = self._pool_of(rec)
+        if ns is None and (pool is None or not pool.volatile):
+            if pool is None:
+                self._unrecoverable[rec.id] = self._pool_gone(rec)
+            log.error("volume %s (%s) has a record but no namespace%s: reported as "
+                      "abnormal, record kept", rec.id, rec.name,
+                      "" if pool is not None else f", and its pool {rec.pool} is gone")
+            return None
+        try:
+            rec = self._recover(rec, ns)
+        except CsiPmemError as exc:
+            log.error("volume %s (%s) stays abnormal: %s", rec.id, rec.name, exc)
+            return None
+        found = self.backend.get(rec.id)
+        return None if found is None else (rec, found)
+
+    def _restore_if_lost(self, rec: VolumeRecord) -> VolumeRecord:
+        """Before a publish or stage: a lost volume of a volatile pool is carved again
+        (FAILED_PRECONDITION saying why when it cannot be); other volumes as they are."""
+        ns = self.backend.get(rec.id)
+        if ns is not None and not rec.recreating:
+            return rec
+        pool = self._pool_of(rec)
+        if pool is None:
+            self._unrecoverable[rec.id] = self._pool_gone(rec)
+            raise FailedPrecondition(self._unrecoverable[rec.id])
+        if not pool.volatile:
+            return rec  # persistent: reported (abnormal), never carved again
+        return self._recover(rec, ns)
+
+    def _pool_gone(self, rec: VolumeRecord) -> str:
+        have = ", ".join(sorted(p.name for p in self.backend.pools())) or "none"
+        return (f"the namespace of volume {rec.id} has disappeared, and its pool "
+                f"{rec.pool} (NUMA node {rec.numa_node}) is gone from this node too (its "
+                f"pools: {have}); it stays abnormal until {rec.pool} is back (retried at "
+                "every publish and driver start), or delete the volume")
+
+    def _recover(self, rec: VolumeRecord, ns: Namespace | None) -> VolumeRecord:
+        """:meth:`_recreate`, remembering why it failed for the volume's condition."""
+        try:
+            rec = self._recreate(rec, ns)
+        except CsiPmemError as exc:
+            self._unrecoverable[rec.id] = str(exc)
+            raise
+        except Exception as exc:
+            self._unrecoverable[rec.id] = (f"volume {rec.id} lost its contents and could "
+                                           f"not be carved again: {exc}")
+            raise
+        self._unrecoverable.pop(rec.id, None)
+        return rec
+
+    def _recreate(self, rec: VolumeRecord, ns: Namespace | None) -> VolumeRecord:
+        """Carve ``rec`` again in its volatile pool under the same id, at its recorded
+        size, align and mode; zero it before anyone can map it; then count and log it.
+
+        After a restart the memory may hold another tenant's bytes: the pool is marked
+        dirty (the driver did not free that space) and the new namespace is zeroed
+        exactly as CreateVolume zeroes one from a dirty region, which back ends whose
+        new namespaces read as zeros (fresh emulated files) skip. ``recreating`` is
+        written first: a crash before the zeroing is done makes the next start zero it.
+        Called with the volume's in-flight slot held, or at start-up.
+        """
+        where = f"{rec.pool} (NUMA node {rec.numa_node})"
+        with self.scrubber.creating():  # a scrub gives its space back first
+            with self.node_lock:
+                pool = self._pool_of(rec)
+                if pool is None:
+                    raise FailedPrecondition(self._pool_gone(rec))
+                problem = pool.problem_for(rec.device_mode)
+                if problem is None and pool.numa_node != rec.numa_node:
+                    problem = (f"it is on NUMA node {pool.numa_node} now, the volume was "
+                               f"on {rec.numa_node}")
+                if problem is not None:
+                    raise FailedPrecondition(
+                        f"volume {rec.id} lost its contents and cannot be carved again in "
+                        f"pool {rec.pool}: {problem}; retried at every publish and driver "
+                        "start")
+                ns = ns or self.backend.get(rec.id)
+                if ns is not None:
+                    # A carve that a crash (or a failed erase) cut short: its namespace
+                    # was never zeroed, whatever the region's record says now.
+                    zero = self.ledger.enabled
+                else:
+                    # The memory was reset behind the driver's back: nothing in the pool's
+                    # free space is known any more, so the region is dirty and the new
+                    # namespace is zeroed as any carved from a dirty region.
+                    self.ledger.mark_dirty(pool.name, f"volume {rec.id} lost its namespace "
+                                           "with the contents of volatile memory")
+                    zero = self.ledger.must_zero(pool)
+                    # A zeroed device holds no file system and no raw data to protect.
+                    intent = replace(rec, recreating=True, contents_lost_at=time.time(),
+                                     block_used=False, formatting=False)
+                    self.store.put(intent)
+                    try:
+                        ns = self.backend.create(rec.id, pool.name, rec.size, rec.align,
+                                                 mode=rec.device_mode)
+                    except ResourceExhausted as exc:
+                        self.store.put(rec)  # nothing was carved: as it was
+                        raise FailedPrecondition(
+                            f"volume {rec.id} lost its contents at a node restart and "
+                            f"cannot be carved again: {exc}; free space in {where} (delete "
+                            "volumes that are not needed), the driver retries at every "
+                            "publish and start") from exc
+                    except BaseException:
+                        if self.backend.get(rec.id) is None:
+                            self.store.put(rec)
+                        raise
+                    rec = intent
+                    self.ledger.note_used(pool.name, ns.size)
+        if ns.usable_size < rec.usable_size:
+            raise BackendError(
+                f"volume {rec.id} was carved again in {where} but offers "
+                f"{describe_size(ns.usable_size)}, below its {describe_size(rec.usable_size)}")
+        if zero:
+            self._erase(ns)  # reset memory may hold another tenant's bytes
+        rec = replace(rec, recreating=False, device=ns.device, numa_node=ns.numa_node,
+                      contents_lost_at=rec.contents_lost_at or time.time())
+        self.store.put(rec)
+        self.on_recreate(pool.name)
+        log.warning("volume %s (%s): contents lost at a node restart (its volatile pool %s "
+                    "no longer held it); carved again, empty: %s in %s, device %s%s; pods "
+                    "must stage its data again", rec.id, rec.name, rec.pool,
+                    format_bytes(rec.usable_size), where, ns.device,
+                    ", zeroed" if zero else "")
+        return rec
 
     def close(self, timeout: float = STOP_TIMEOUT) -> None:
         """Stop within ``timeout`` seconds without leaving a namespace half-written.

@@ -1,5 +1,10 @@
 """Prometheus metrics: CSI operation latency, pool capacity, erase work, dax sockets.
 
+Volatile pools: ``csi_pmem_pool_volatile`` says which pools lose their contents at a
+node restart, and ``csi_pmem_volumes_recreated_total{pool}`` counts the volumes carved
+again, empty, after that happened (csi_pmem.driver, docs/media.md): each one is a cache
+that pods must fill again.
+
 Erase work: bytes and seconds zeroed (counters), the erase queue (jobs and bytes still
 to erase, read at scrape time from the eraser), how long each background job took from
 DeleteVolume to freed space (histogram), and whether each region is clean.
@@ -106,6 +111,10 @@ class PoolCollector:
             "reason names why not (label_less, misaligned, disabled, read_only, mode, "
             "overcommitted, listing_failed; ok when usable): the driver log says how to fix it",
             labels=[*labels, "reason"])
+        volatile = GaugeMetricFamily(
+            "csi_pmem_pool_volatile", "1 when the region is volatile memory (its volumes "
+            "are lost at a node restart and carved again, empty), 0 when persistent",
+            labels=labels)
         mode_usable = GaugeMetricFamily(
             "csi_pmem_pool_mode_usable", "1 when volumes of this device mode (devdax, fsdax) "
             "can be carved from the region, else 0 (e.g. a kernel without device_dax)",
@@ -122,6 +131,7 @@ class PoolCollector:
             else:
                 reason = REASON_OK
             usable.add_metric([*lv, reason], 1 if reason == REASON_OK else 0)
+            volatile.add_metric(lv, 1 if p.volatile else 0)
             for mode in ("devdax", "fsdax"):
                 mode_usable.add_metric([*lv, mode],
                                        1 if up and p.problem_for(mode) is None else 0)
@@ -138,7 +148,8 @@ class PoolCollector:
         list_errors = CounterMetricFamily(
             "csi_pmem_backend_list_errors", "Scrapes whose pool or namespace listing failed")
         list_errors.add_metric([], errors)
-        yield from (cap, free, vols, usable, mode_usable, orphans, backend_up, list_errors)
+        yield from (cap, free, vols, usable, volatile, mode_usable, orphans, backend_up,
+                    list_errors)
         if last_success is not None:
             success = GaugeMetricFamily(
                 "csi_pmem_backend_last_success_timestamp_seconds",
@@ -203,6 +214,10 @@ class Metrics:
         self.erase_failures = Counter(
             "csi_pmem_erase_failures", "Erases (zeroing a namespace before release) that "
             "failed; the delete fails with them and is retried", registry=self.registry)
+        self.volumes_recreated = Counter(
+            "csi_pmem_volumes_recreated", "Volumes of a volatile pool carved again, empty "
+            "and zeroed, after their contents were lost (a node restart): their data must "
+            "be staged again", ["pool"], registry=self.registry)
         self.dax_connections = Counter(
             "csi_pmem_dax_socket_connections", "Connections to dax.sock by result",
             ["result"], registry=self.registry)
@@ -214,6 +229,9 @@ class Metrics:
         self.erase_bytes.inc(nbytes)
         self.erase_seconds.inc(seconds)
 
+    def observe_recreate(self, pool: str) -> None:
+        self.volumes_recreated.labels(pool).inc()
+
     def observe_erase_job(self, job: Job, seconds: float) -> None:
         self.erase_jobs.labels(job.kind).observe(seconds)
 
@@ -223,6 +241,11 @@ class Metrics:
 
     def watch_pools(self, backend: Backend, orphans: Callable[[], list]) -> None:
         self.registry.register(PoolCollector(backend, orphans))
+        try:  # every pool's count from 0, so that increase() sees the first one
+            for pool in backend.pools():
+                self.volumes_recreated.labels(pool.name)
+        except Exception as exc:  # the pools are listed again at every scrape
+            log.warning("metrics: cannot list pools yet: %s", exc)
 
     def serve(self, address: str):
         host, _, port = address.rpartition(":")

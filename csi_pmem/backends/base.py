@@ -31,6 +31,11 @@ Contract:
   with ``-o dax`` (true on real pmem; false for the emulated loop devices, which are
   plain block devices).
 - ``probe()`` says whether the back end can serve (False with a reason otherwise).
+- ``Pool.media`` says what a node restart does to the region's contents: ``persistent``
+  (NVDIMM, CXL persistent memory: namespaces and bytes survive) or ``volatile`` (DRAM,
+  CXL volatile memory, soft-reserved ranges, an emulated pool on tmpfs: both are gone).
+  The driver carves a lost volume of a volatile pool again, empty, under the same id;
+  on a persistent pool a lost namespace is a fault it reports and never papers over.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ REASON_OVERCOMMITTED = "overcommitted"  # namespaces use more than the region ho
 REASONS = (REASON_DISABLED, REASON_LABEL_LESS, REASON_MISALIGNED, REASON_READ_ONLY,
            REASON_MODE, REASON_OVERCOMMITTED)
 
+# What a node restart does to a region's contents (``Pool.media``, module docstring).
+PERSISTENT = "persistent"
+VOLATILE = "volatile"
+MEDIA = (PERSISTENT, VOLATILE)
+
 
 @dataclass(frozen=True)
 class Pool:
@@ -70,10 +80,17 @@ class Pool:
     # (mode, why) for device modes this region cannot carve although others work,
     # e.g. ("devdax", "no device-dax instance ...") on a kernel without device_dax.
     mode_problems: tuple[tuple[str, str], ...] = ()
+    # PERSISTENT or VOLATILE; persistent unless the back end says otherwise, the side
+    # on which a lost volume is reported rather than recreated empty.
+    media: str = PERSISTENT
 
     @property
     def usable(self) -> bool:
         return self.problem is None
+
+    @property
+    def volatile(self) -> bool:
+        return self.media == VOLATILE
 
     def problem_for(self, mode: str) -> str | None:
         """Why no ``mode`` namespace can be carved here (None when it can)."""

@@ -24,6 +24,13 @@ the loop device: a real device node, so device-cgroup rules apply to it exactly 
 :class:`~csi_pmem.mounter.LoopDevices` it is given: the host's by default, a fake in
 unit tests (which then need no root).
 
+``media`` says what a node restart does to the pools (``Pool.media``): ``volatile`` for
+a root on tmpfs, ramfs or hugetlbfs, whose files are gone after a reboot or a remount
+(the README's weight cache on GPU nodes), ``persistent`` for a root on a disk file
+system. ``auto`` decides from the file system that holds the root, once at start-up
+(:func:`media_of`). A volatile region whose directory has vanished (the tmpfs was
+mounted again, empty) is made again, empty, as a reset region would come back.
+
 fsdax namespaces (``<volume id>~<align>.fsdax``) are always attached to a loop device,
 limited to the usable size: a real block device, so kubelet's raw-block path (its own
 loop attach, the device cgroup) and mkfs/mount run exactly as on ``/dev/pmemX.Y``. A
@@ -41,15 +48,27 @@ import threading
 import uuid
 from pathlib import Path
 
-from csi_pmem.backends.base import REASON_OVERCOMMITTED, Backend, Namespace, Pool, device_busy
+from csi_pmem.backends.base import (
+    MEDIA,
+    PERSISTENT,
+    REASON_DISABLED,
+    REASON_OVERCOMMITTED,
+    VOLATILE,
+    Backend,
+    Namespace,
+    Pool,
+    device_busy,
+)
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    from_os_error,
 )
 from csi_pmem.mounter import HostMounter, LoopDevices
+from csi_pmem.mountinfo import MOUNTINFO, mountinfo
 from csi_pmem.sizes import REGION_ALIGN, describe_size, devdax_usable, parse_quantity, round_down
 
 log = logging.getLogger(__name__)
@@ -61,6 +80,29 @@ TMP_SUFFIX = ".tmp"  # a backing file being allocated: not a namespace yet
 SCRATCH_SUFFIX = ".raw"  # a scratch namespace of the driver's scrub: used, never listed
 FREE_SUFFIX = ".free"  # free_space="reuse": a destroyed namespace's bytes, free again
 FREE_SPACE = ("fresh", "reuse")
+# File systems whose contents are memory: gone when the node restarts or they are
+# mounted again. Anything else is taken to keep its files.
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+AUTO = "auto"
+
+
+def file_system_of(path: str | os.PathLike, table: str = MOUNTINFO) -> str:
+    """The type of the file system holding ``path`` (its longest mount-point prefix)."""
+    real = os.path.realpath(path)
+    best, fstype = -1, ""
+    for m in mountinfo(table):
+        point = m.mount_point.rstrip("/") or "/"
+        inside = real == point or real.startswith(point + "/") or point == "/"
+        if inside and len(point) >= best:  # the later of two equal mounts is on top
+            best, fstype = len(point), m.fstype
+    return fstype
+
+
+def media_of(root: str | os.PathLike, setting: str = AUTO, table: str = MOUNTINFO) -> str:
+    """``setting`` unless it is ``auto``: then volatile on a memory file system."""
+    if setting != AUTO:
+        return setting
+    return VOLATILE if file_system_of(root, table) in MEMORY_FILE_SYSTEMS else PERSISTENT
 
 
 def parse_regions(spec: str) -> dict[int, int]:
@@ -88,11 +130,14 @@ class EmulatedBackend(Backend):
 
     def __init__(self, root: str | os.PathLike, regions: dict[int, int],
                  device_type: str = "file", loops: LoopDevices | None = None,
-                 free_space: str = "fresh") -> None:
+                 free_space: str = "fresh", media: str = AUTO) -> None:
         if device_type not in ("file", "loop"):
             raise InvalidArgument(f"invalid emulated device type {device_type!r}: file or loop")
         if free_space not in FREE_SPACE:
             raise InvalidArgument(f"invalid emulated free space {free_space!r}: fresh or reuse")
+        if media not in (AUTO, *MEDIA):
+            raise InvalidArgument(f"invalid emulated media {media!r}: auto, persistent or "
+                                  "volatile")
         self.reuse = free_space == "reuse"
         # Fresh files read as zeros: then no erase is needed on create.
         self.zeroes_new_namespaces = not self.reuse
@@ -103,6 +148,13 @@ class EmulatedBackend(Backend):
         # Serialises loop attach/detach with unlinking backing files: listings attach
         # loop devices on demand and run outside the driver's node lock.
         self._lock = threading.Lock()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.media_setting = media
+        fstype = file_system_of(self.root)
+        self.media = media_of(self.root, media)
+        log.info("emulated pools under %s are %s (%s)", self.root, self.media,
+                 f"--emulated-media {media}" if media != AUTO else
+                 f"on {fstype or 'an unknown file system'}")
         for node in self.regions:
             region = self._dir(f"region{node}")
             region.mkdir(parents=True, exist_ok=True)
@@ -115,8 +167,37 @@ class EmulatedBackend(Backend):
 
     def _files(self, pool: str) -> list[Path]:
         """Backing files that hold space: namespaces and scratch namespaces."""
-        return sorted(p for p in self._dir(pool).iterdir()
-                      if p.suffix in SUFFIXES or p.suffix == SCRATCH_SUFFIX)
+        try:
+            return sorted(p for p in self._dir(pool).iterdir()
+                          if p.suffix in SUFFIXES or p.suffix == SCRATCH_SUFFIX)
+        except FileNotFoundError:
+            return []  # the region's directory is gone (see _region_ready)
+
+    def _region_ready(self, pool: str) -> str | None:
+        """None when the region's directory exists, else why the region is unusable.
+
+        A volatile root that was mounted again lost its region directories with their
+        files: the region comes back empty, as reset memory does. On a persistent
+        root a vanished directory is damage to report, not to paper over.
+        """
+        region = self._dir(pool)
+        if region.is_dir():
+            return None
+        if self.media == VOLATILE:
+            fstype = file_system_of(self.root)
+            if self.media_setting == AUTO and fstype not in MEMORY_FILE_SYSTEMS:
+                return (f"the region directory {region} is missing and {self.root} is no "
+                        f"longer on a memory file system (now {fstype or 'unknown'}): "
+                        "mount it again")
+            try:
+                region.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                return f"cannot make the region directory {region} again: {exc.strerror}"
+            log.warning("emulated region directory %s was gone (the volatile root was "
+                        "emptied); made again, empty", region)
+            return None
+        return (f"the region directory {region} is missing (was {self.root} emptied or "
+                "unmounted?); restore it or restart the driver on the right root")
 
     def _free_files(self, pool: str) -> list[tuple[Path, int]]:
         out = []
@@ -160,16 +241,20 @@ class EmulatedBackend(Backend):
         pools = []
         for node, size in self.regions.items():
             name = f"region{node}"
+            missing = self._region_ready(name)
             used = sum(size for _, size in self._sized_files(name))
             free = max(0, size - used)
-            problem = None
-            if used > size:
+            problem, reasons = missing, (REASON_DISABLED,) if missing else ()
+            if missing:
+                free = 0
+            elif used > size:
                 problem = (f"namespaces use {used} bytes but the region is configured with "
                            f"{size}; enlarge --emulated-regions for NUMA node {node}")
+                reasons = (REASON_OVERCOMMITTED,)
             pools.append(Pool(name=name, numa_node=node, size=size, free=free,
                               largest_extent=free, align=REGION_ALIGN, problem=problem,
-                              reasons=(REASON_OVERCOMMITTED,) if problem else (),
-                              label_slots=LABEL_SLOTS_PER_REGION))
+                              reasons=reasons, label_slots=LABEL_SLOTS_PER_REGION,
+                              media=self.media))
         return pools
 
     def namespaces(self) -> list[Namespace]:
@@ -292,7 +377,7 @@ class EmulatedBackend(Backend):
         except OSError as exc:
             if exc.errno == errno.EBUSY:
                 raise device_busy(ns) from exc
-            raise
+            raise from_os_error(exc, f"cannot open {ns.device} of volume {ns.name}") from exc
 
     def device_present(self, ns: Namespace) -> bool:
         return os.path.exists(ns.handle) and os.path.exists(ns.device)

@@ -54,6 +54,7 @@ from typing import Any, TypeVar, cast
 
 from csi_pmem import failpoints
 from csi_pmem.backends.base import (
+    PERSISTENT,
     REASON_DISABLED,
     REASON_LABEL_LESS,
     REASON_MISALIGNED,
@@ -73,6 +74,7 @@ from csi_pmem.errors import (
     NotFound,
     ResourceExhausted,
     Unavailable,
+    from_os_error,
 )
 from csi_pmem.runner import Runner
 from csi_pmem.sizes import (
@@ -429,6 +431,8 @@ class NdctlBackend(Backend):
             reasons=tuple(reason for reason, _ in found),
             label_slots=0 if problems else self._label_slots(region, listing),
             mode_problems=() if problems else self._mode_problems(name),
+            # NVDIMM and CXL persistent memory: namespaces (labels) and bytes survive.
+            media=PERSISTENT,
         )
 
     def _mode_problems(self, name: str) -> tuple[tuple[str, str], ...]:
@@ -900,8 +904,7 @@ class NdctlBackend(Backend):
         except OSError as e:
             if e.errno == errno.EBUSY:
                 raise device_busy(ns) from e
-            raise BackendError(f"cannot open {ns.device} of volume {ns.name}: "
-                               f"{e.strerror}") from e
+            raise from_os_error(e, f"cannot open {ns.device} of volume {ns.name}") from e
 
     # -- health ---------------------------------------------------------------------
     def probe(self) -> tuple[bool, str]:

@@ -70,7 +70,8 @@ class InProcessNode:
     """One node: the base directory holds kubelet/, state/, pools/ and the fake's host/."""
 
     def __init__(self, regions: dict[int, int] | None = None, *,
-                 device_node: bool = False) -> None:
+                 device_node: bool = False, media: str = "auto",
+                 free_space: str = "fresh") -> None:
         # Short: dax.sock paths below the kubelet dir must fit a unix socket address.
         self.base = Path(tempfile.mkdtemp(prefix="csiu-"))
         self.kubelet = self.base / "kubelet"
@@ -78,6 +79,8 @@ class InProcessNode:
         self.state = self.base / "state"
         self.regions = regions or {0: 512 * MiB, 1: 512 * MiB}
         self.device_node = device_node  # the driver's --device-node on
+        self.media, self.free_space = media, free_space  # --emulated-media, -free-space
+        self.recreated: list[str] = []  # pools of volumes carved again (the metric's calls)
         self.fake = FakeMounter(self.base / "host")
         # The dax.sock server reads a peer's /proc/<pid>/cgroup here (see pod()).
         self.proc = self.base / "proc"
@@ -87,13 +90,14 @@ class InProcessNode:
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> InProcessNode:
-        self.backend = EmulatedBackend(self.base / "pools", self.regions, loops=self.fake)
+        self.backend = EmulatedBackend(self.base / "pools", self.regions, loops=self.fake,
+                                       media=self.media, free_space=self.free_space)
         self.dax = DaxSocketServer(proc_root=str(self.proc))
         self.driver = Driver(DriverConfig(driver_name=DRIVER_NAME, node_id=NODE_ID,
                                           kubelet_dir=str(self.kubelet),
                                           device_node=self.device_node),
                              self.backend, StateStore(str(self.state)), self.dax,
-                             mounter=self.fake)
+                             mounter=self.fake, on_recreate=self.recreated.append)
         self.driver.reconcile()
         self.controller = _Stub(ControllerServicer(self.driver))
         self.node = _Stub(NodeServicer(self.driver))
