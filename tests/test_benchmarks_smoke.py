@@ -122,3 +122,54 @@ def test_bench_provision_quick_json():
         share = report["share"][op]
         assert share["total_ms"] >= share["backend_ms"] > 0
     assert ours() <= before, "the benchmark left files behind"
+
+
+LOAD = ROOT / "benchmarks" / "bench_load.py"
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for mounts and loop devices")
+def test_bench_load_tiny_run(tmp_path):
+    """bench_load.py, 2 clients for a few seconds with one SIGKILL: every figure is
+    reported, every byte written was read back, and nothing is left behind (driver
+    processes, mounts, loop devices, pool files, directories)."""
+    pools = Path(tempfile.mkdtemp(prefix="bench-load-smoke-",
+                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    work, results = tmp_path / "work", tmp_path / "results"
+    work.mkdir()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(LOAD), "--seconds", "4", "--clients", "2", "--kills", "1",
+             "--pool-dir", str(pools), "--work-dir", str(work), "--results-dir", str(results),
+             "--settle", "0.2", "--json"],
+            capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        report = json.loads(proc.stdout)
+        (saved,) = results.iterdir()
+        assert saved.name.startswith("bench_load-") and saved.suffix == ".json"
+        assert json.loads(saved.read_text()) == report
+        assert len(report["commit"]) == 40 and report["host"] and report["date"]
+        (side,) = report["sides"]
+        assert side["ok"] is True, side
+        assert len(side["kills"]) == 1 and len(side["pids"]) == 2
+        for key in ("rss_fresh_mib", "rss_peak_mib", "rss_after_mib"):
+            assert side[key] > 0, key
+        assert side["rss_peak_mib"] >= side["rss_fresh_mib"]
+        assert side["fds_fresh"] > 0 and side["fds_after"] > 0
+        for key in ("create_ms", "publish_ms"):
+            assert side[key]["n"] >= 1 and 0 < side[key]["p50"] <= side[key]["p99"], key
+        assert min(side["cycles"].values()) >= 1, side["cycles"]
+        assert side["bytes_written"] == side["bytes_verified"] > 0
+        assert sorted(report["goals"]["driver-src"]) == [
+            "no_fd_growth", "rss_after_within_1.5x_fresh", "rss_peak_under_150MiB"]
+
+        assert list(work.iterdir()) == [], list(work.iterdir())
+        assert list(pools.iterdir()) == [], list(pools.iterdir())
+        with open("/proc/self/mountinfo") as f:
+            assert [line for line in f if str(work) in line or str(pools) in line] == []
+        loops = subprocess.run(["losetup", "--list", "--noheadings", "--output", "BACK-FILE"],
+                               capture_output=True, text=True, check=True).stdout
+        assert str(pools) not in loops
+        assert [pid for pid in _pids() if str(work) in _cmdline(pid)] == []
+    finally:
+        shutil.rmtree(pools, ignore_errors=True)
