@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from csi_pmem.erase import DEFAULT_CHUNK, default_threads, zero_fd
+from csi_pmem.driver.erasing.erase import DEFAULT_CHUNK, default_threads, zero_fd
 from csi_pmem.sizes import format_bytes, parse_quantity
 
 PWRITE_BLOCK = 64 << 20

@@ -635,8 +635,8 @@ def _synthetic(config: str) -> bool:
 def stage_volumes(args: argparse.Namespace, src: str) -> list[str]:
     """--volume paths (or WORK/volume.img) holding the model, staged where needed."""
     from csi_pmem.loader import open_model
-    from csi_pmem.loader.errors import LayoutError, ReadOnlyVolumeError
     from csi_pmem.loader.staging import open_for_staging, stage
+    from csi_pmem.weights.errors import LayoutError, ReadOnlyVolumeError
 
     default = os.path.join(args.work, "volume.img")
     volumes = args.volume or [default]
@@ -666,9 +666,9 @@ def stage_volumes(args: argparse.Namespace, src: str) -> list[str]:
 def _stage_file(path: str, src: str) -> Any:
     """A volume file sized for the model (as bench_loader.prepare does), then staged."""
     from csi_pmem.loader import open_volume, stage
-    from csi_pmem.loader.layout import INDEX_AREA, plan_files
     from csi_pmem.loader.staging import scan_source
     from csi_pmem.sizes import round_up
+    from csi_pmem.weights.layout import INDEX_AREA, plan_files
 
     need = round_up(max(f.end for f in plan_files(scan_source(src), INDEX_AREA, 2 * MiB)),
                     2 * MiB)

@@ -83,8 +83,9 @@ from bench_driver import (  # noqa: E402
     terminate_as_exit,
 )
 
-from csi_pmem import daxclient, mounts  # noqa: E402
+from csi_pmem import daxclient  # noqa: E402
 from csi_pmem.csi import csi_pb2, csi_pb2_grpc  # noqa: E402
+from csi_pmem.driver.host import mounts  # noqa: E402
 from csi_pmem.sizes import format_bytes, parse_quantity  # noqa: E402
 
 Mode = csi_pb2.VolumeCapability.AccessMode

@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_model
 
 from csi_pmem.loader import bench, open_model, open_volume, stage, start_load
-from csi_pmem.loader.layout import INDEX_AREA, plan_files
 from csi_pmem.loader.staging import scan_source
 from csi_pmem.sizes import round_up
+from csi_pmem.weights.layout import INDEX_AREA, plan_files
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-torch-load", action="store_true")
     p.add_argument("--skip-registered", action="store_true")
     p.add_argument("--json", help="write results here")
-    p.add_argument("--plot", default=str(Path(__file__).resolve().parent.parent / "docs"
+    p.add_argument("--plot", default=str(Path(__file__).resolve().parent / "results"
                                          / "loader-bench.png"))
     args = p.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)

@@ -62,9 +62,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_driver  # noqa: E402
 from bench_driver import ERASE_OFF, ERASE_ON, Tracker, cleanup, log, machine  # noqa: E402
 
-from csi_pmem import erase  # noqa: E402
-from csi_pmem.erase import DEFAULT_CHUNK, default_threads, zero_fd  # noqa: E402
-from csi_pmem.runner import Runner  # noqa: E402
+from csi_pmem.driver.erasing import erase  # noqa: E402
+from csi_pmem.driver.erasing.erase import DEFAULT_CHUNK, default_threads, zero_fd  # noqa: E402
+from csi_pmem.driver.host.runner import Runner  # noqa: E402
 from csi_pmem.sizes import REGION_ALIGN, allocation_for, format_bytes, parse_quantity  # noqa: E402
 
 GiB = 1 << 30
@@ -211,7 +211,7 @@ class TimedBackend:
 
 def share(pool_dir: Path, size: int, reps: int) -> dict:
     """In-process Driver over a timed emulated back end (clean region, erase on)."""
-    from csi_pmem.backends.emulated import EmulatedBackend
+    from csi_pmem.driver.backends.emulated import EmulatedBackend
 
     with tempfile.TemporaryDirectory(dir=pool_dir) as base:
         inner = EmulatedBackend(Path(base) / "pools", {0: region_bytes(size)},
@@ -239,7 +239,7 @@ class TimedRunner(Runner):
 
 def ndctl_share(state_dir: Path, size: int, reps: int, numa: str = "0") -> dict:
     """The share on real regions through ndctl (see the module docstring)."""
-    from csi_pmem.backends.ndctl import NdctlBackend
+    from csi_pmem.driver.backends.ndctl import NdctlBackend
 
     runner = TimedRunner()
     backend = NdctlBackend(runner=runner)
@@ -251,11 +251,11 @@ def share_on(backend, timer, state_dir: Path, size: int, reps: int, params: dict
     """CreateVolume then DeleteVolume (waiting for its erase), ``reps`` times after one
     warm-up: the call's wall time, ``timer.seconds`` (the back end, or ndctl) and the
     erase, per call (medians)."""
-    from csi_pmem.daxsock import DaxSocketServer
-    from csi_pmem.driver import Driver as Core
-    from csi_pmem.driver import DriverConfig
-    from csi_pmem.params import parse
-    from csi_pmem.state import StateStore
+    from csi_pmem.driver.core import Driver as Core
+    from csi_pmem.driver.core import DriverConfig
+    from csi_pmem.driver.daxsock import DaxSocketServer
+    from csi_pmem.driver.params import parse
+    from csi_pmem.driver.state import StateStore
 
     store = StateStore(state_dir)
     core = Core(DriverConfig("bench", "n", str(state_dir), delete_wait=600, scrub=scrub),

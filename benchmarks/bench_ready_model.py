@@ -136,9 +136,9 @@ def ensure_volume(args: argparse.Namespace, src: str, fresh: bool) -> tuple[str,
     recreated, a ``--volume`` given by the caller is replaced only with ``--replace``.
     """
     from csi_pmem.loader import open_volume, stage
-    from csi_pmem.loader.layout import INDEX_AREA, plan_files
     from csi_pmem.loader.staging import scan_source
     from csi_pmem.sizes import round_up
+    from csi_pmem.weights.layout import INDEX_AREA, plan_files
 
     own = args.volume is None
     path = args.volume or os.path.join(args.work, model_tag(args) + ".img")

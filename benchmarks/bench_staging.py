@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(*args: str) -> tuple[float, str]:
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "csi_pmem.weights_cli", *args],
+    proc = subprocess.run([sys.executable, "-m", "csi_pmem.loader.cli", *args],
                           capture_output=True, text=True, cwd=REPO, timeout=1800)
     wall = time.monotonic() - t
     if proc.returncode != 0:

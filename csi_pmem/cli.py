@@ -4,7 +4,7 @@
 The ``volume`` commands are a small CSI client over the driver's socket so a newcomer
 can create, publish and inspect volumes without Kubernetes; they send exactly the RPCs
 external-provisioner and kubelet would send. What they print is
-:mod:`csi_pmem.volume_output`'s (a table on a terminal, JSON for scripts); what they
+:mod:`csi_pmem.client.output`'s (a table on a terminal, JSON for scripts); what they
 exit with is :func:`exit_code`'s table over :class:`csi_pmem.cmdline.Exit`. The help
 texts are written out here, not taken from docstrings, so ``--help`` shows no markup.
 """
@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Any
 
-from csi_pmem import config, volume_output
+from csi_pmem.client import output as volume_output
 from csi_pmem.cmdline import (
     COMPLETION_HELP,
     Exit,
@@ -31,6 +31,7 @@ from csi_pmem.cmdline import (
     quiet_broken_pipe,
     quiet_interrupt,
 )
+from csi_pmem.driver import config
 from csi_pmem.errors import CsiPmemError
 
 # What the `driver` extra installs, by top-level module (protobuf is google.protobuf):
@@ -66,7 +67,7 @@ def key_value(text: str) -> tuple[str, str]:
 def _complete_volume_ids(prefix: str, parsed_args: argparse.Namespace,
                          **_: Any) -> list[str]:
     """argcomplete's completer for VOLUME_ID: the ids the driver lists."""
-    from csi_pmem import client
+    from csi_pmem.client import calls as client
 
     try:
         parsed_args.endpoint = endpoint(parsed_args)
@@ -198,13 +199,13 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
 def exit_code(exc: BaseException) -> Exit:
     """The one table from what went wrong to the exit status (:data:`cmdline.MEANING`
     says what each status tells a script; ``--help`` lists them)."""
-    from csi_pmem.instance import AlreadyRunning
+    from csi_pmem.driver.instance import AlreadyRunning
 
     table: list[tuple[type[BaseException], Exit]] = [(volume_output.OutputError, Exit.USAGE),
                                                      (AlreadyRunning, Exit.USAGE),
                                                      (UsageError, Exit.USAGE)]
     try:
-        from csi_pmem import client
+        from csi_pmem.client import calls as client
     except ModuleNotFoundError:  # no driver extra: no client, so none of its errors
         pass
     else:
@@ -226,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "serve":
-            from csi_pmem import logs, server
-            from csi_pmem.backends.emulated import parse_regions
+            from csi_pmem import logs
+            from csi_pmem.driver import server
+            from csi_pmem.driver.backends.emulated import parse_regions
 
             cfg = config.from_args(args, {"emulated_regions": parse_regions})
             logs.setup(cfg.log_format, cfg.log_level)
@@ -236,7 +238,7 @@ def _run(args: argparse.Namespace) -> int:
             from csi_pmem.gpucopy import main as gpu_copy
 
             return gpu_copy.run(args)
-        from csi_pmem import client
+        from csi_pmem.client import calls as client
         from csi_pmem.daxclient import DaxSocketError
 
         args.endpoint = endpoint(args)

@@ -2,7 +2,7 @@
 
 Standard library only: the common layer (sizes, mounts, runner) raises these, and the
 loader imports that layer, so this module must not import grpc. The one table that maps
-these classes to status codes lives beside the servicers (:mod:`csi_pmem.servicers.status`).
+these classes to status codes lives beside the servicers (:mod:`csi_pmem.driver.servicers.status`).
 Everything the driver raises on purpose is a subclass of :class:`CsiPmemError`; anything
 else is a bug and becomes INTERNAL there.
 """

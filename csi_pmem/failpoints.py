@@ -65,9 +65,9 @@ DELETE_AFTER_DIRTY = "delete-after-dirty"  # region marked dirty, namespace not 
 SCRUB_AFTER_RECORD = "scrub-after-record"  # scrub intent written, no scratch namespace
 SCRUB_AFTER_CREATE = "scrub-after-create"  # scratch namespaces exist, not erased
 SCRUB_AFTER_ERASE = "scrub-after-erase"    # scratch erased, not destroyed
-# A state record written, not yet fsynced (csi_pmem.state.write_atomic): for errno:NAME.
+# A state record written, not yet fsynced (csi_pmem.driver.state.write_atomic): for errno:NAME.
 STATE_WRITE = "state-write"
-# ndctl's two-step destroy (csi_pmem.backends.ndctl): disabled, not yet destroyed.
+# ndctl's two-step destroy (csi_pmem.driver.backends.ndctl): disabled, not yet destroyed.
 DESTROY_MID = "destroy-mid"
 ERASE = (ERASE_MID, DELETE_AFTER_DIRTY, SCRUB_AFTER_RECORD, SCRUB_AFTER_CREATE,
          SCRUB_AFTER_ERASE)

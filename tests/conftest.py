@@ -21,8 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_pmem import mounts
 from csi_pmem.csi import csi_pb2, csi_pb2_grpc
+from csi_pmem.driver.host import mounts
 
 ROOT = Path(__file__).resolve().parent.parent
 Mode = csi_pb2.VolumeCapability.AccessMode

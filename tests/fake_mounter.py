@@ -1,4 +1,4 @@
-"""An in-memory :class:`csi_pmem.mounter.Mounter` for the unit tier: no root, no kernel.
+"""An in-memory :class:`csi_pmem.driver.host.mounter.Mounter` for the unit tier: no root, no kernel.
 
 Why: the mounter is everything the node side does to the host. With this fake in its
 place, ``Driver`` and the emulated back end run in one unprivileged process, so the node
@@ -45,9 +45,9 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from csi_pmem.driver.host.mounts import dev_of
 from csi_pmem.errors import CommandError, Unavailable
 from csi_pmem.mountinfo import MountInfo
-from csi_pmem.mounts import dev_of
 
 FS_MAGIC = b"FAKEFS:"
 FS_TYPES = ("ext4", "xfs")

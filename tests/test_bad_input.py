@@ -263,7 +263,7 @@ _counter = itertools.count()
 
 
 def mountinfo_safe(text: str) -> str:
-    """``text`` without the characters that csi_pmem.mounts cannot read back yet.
+    """``text`` without the characters that csi_pmem.driver.host.mounts cannot read back yet.
 
     The kernel escapes only space, tab, newline and backslash in mountinfo, and
     mounts.mountinfo() splits lines with str.split(), which also splits at every other

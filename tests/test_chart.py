@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from csi_pmem import DEFAULT_DRIVER_NAME
-from csi_pmem.config import DEFAULTS, env_name
+from csi_pmem.driver.config import DEFAULTS, env_name
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "csi-pmem"
@@ -161,7 +161,7 @@ def test_driver_has_volume_mount_group_so_fsgroup_needs_no_policy() -> None:
     with VOLUME_MOUNT_GROUP whatever the policy (pkg/volume/csi/csi_mounter.go SetUpAt):
     without the capability fsdax Filesystem volumes would ignore the pod's fsGroup."""
     from csi_pmem.csi import csi_pb2
-    from csi_pmem.servicers.node import NodeServicer
+    from csi_pmem.driver.servicers.node import NodeServicer
 
     caps = NodeServicer(None).NodeGetCapabilities(  # type: ignore[arg-type]
         csi_pb2.NodeGetCapabilitiesRequest(), None).capabilities
@@ -227,7 +227,7 @@ def serve_config_from(env: dict[str, Any]) -> Any:
     import argparse
     import unittest.mock
 
-    from csi_pmem import config
+    from csi_pmem.driver import config
 
     plain = {k: v for k, v in env.items() if k.startswith("CSI_PMEM_") and isinstance(v, str)}
     with unittest.mock.patch.dict(os.environ, plain, clear=True):
@@ -675,8 +675,8 @@ def test_fsdax_classes_take_block_and_their_file_system(helm: str) -> None:
     capability, and a mount capability with the class's fstype (which the provisioner
     moves into the PV's fsType)."""
     from csi_pmem.csi import csi_pb2
-    from csi_pmem.params import FSDAX, parse
-    from csi_pmem.servicers.capabilities import problem
+    from csi_pmem.driver.params import FSDAX, parse
+    from csi_pmem.driver.servicers.capabilities import problem
 
     mode = csi_pb2.VolumeCapability.AccessMode(
         mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER)
@@ -694,7 +694,7 @@ def test_fsdax_classes_take_block_and_their_file_system(helm: str) -> None:
 
 
 def test_class_parameters_are_ones_the_driver_accepts(helm: str) -> None:
-    from csi_pmem.params import parse
+    from csi_pmem.driver.params import parse
 
     m = Manifests(render(helm, "--set", "storageClasses.perNuma={3}", "--set",
                          "storageClasses.align=1Gi", "--set", "storageClasses.eraseOnDelete=false"))

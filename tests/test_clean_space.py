@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from csi_pmem.backends.emulated import EmulatedBackend
-from csi_pmem.cleanspace import FIRST_SEEN, CleanSpace
-from csi_pmem.daxsock import DaxSocketServer
-from csi_pmem.driver import Driver, DriverConfig
-from csi_pmem.erase import EraseCancelled
-from csi_pmem.eraser import DELETE, EraseQueue
+from csi_pmem.driver.backends.emulated import EmulatedBackend
+from csi_pmem.driver.core import Driver, DriverConfig
+from csi_pmem.driver.daxsock import DaxSocketServer
+from csi_pmem.driver.erasing.cleanspace import FIRST_SEEN, CleanSpace
+from csi_pmem.driver.erasing.erase import EraseCancelled
+from csi_pmem.driver.erasing.eraser import DELETE, EraseQueue
+from csi_pmem.driver.params import parse
+from csi_pmem.driver.servicers.status import status_for
+from csi_pmem.driver.state import StateStore
 from csi_pmem.errors import Aborted, BackendError, SpaceBeingErased
-from csi_pmem.params import parse
-from csi_pmem.servicers.status import status_for
-from csi_pmem.state import StateStore
 
 from conftest import MiB, eventually
 
@@ -291,7 +291,7 @@ def test_cleanspace_generation_stops_a_stale_scrub(tmp_path):
 
 # ------------------------------------------------------------------ the queue
 def test_queue_retries_a_failed_job_and_dedupes_keys(monkeypatch):
-    monkeypatch.setattr("csi_pmem.eraser.RETRY_FIRST", 0.05)
+    monkeypatch.setattr("csi_pmem.driver.erasing.eraser.RETRY_FIRST", 0.05)
     q = EraseQueue(workers=1)
     attempts = []
 
@@ -342,7 +342,8 @@ def test_a_failed_scrub_leaves_the_region_dirty(drivers, monkeypatch):
 
 
 def test_a_cancelled_job_waiting_in_the_queue_or_for_a_retry_is_done_at_once(monkeypatch):
-    monkeypatch.setattr("csi_pmem.eraser.RETRY_FIRST", 30.0)  # the retry would be far off
+    # the retry would be far off
+    monkeypatch.setattr("csi_pmem.driver.erasing.eraser.RETRY_FIRST", 30.0)
     q = EraseQueue(workers=1)
     gate = threading.Event()
     try:
@@ -417,7 +418,7 @@ def test_a_resumed_delete_whose_first_attempt_fails_is_retried(tmp_path, monkeyp
     """A DELETING record found at start-up goes through the queue, which retries it: a
     transient ndctl failure there (a listing, a destroy) must not strand the volume
     until the next restart."""
-    monkeypatch.setattr("csi_pmem.eraser.RETRY_FIRST", 0.05)
+    monkeypatch.setattr("csi_pmem.driver.erasing.eraser.RETRY_FIRST", 0.05)
     d = make_driver(tmp_path, scrub=False)
     vol = d.create_volume("a", 64 * MiB, 0, params(eraseOnDelete=erase))
     d.close()

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from csi_pmem import mounts
 from csi_pmem.daxclient import map_volume, open_volume
-from csi_pmem.driver import volume_id_for
+from csi_pmem.driver.core import volume_id_for
+from csi_pmem.driver.host import mounts
 
 from conftest import (
     DriverProcess,

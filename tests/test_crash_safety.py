@@ -21,9 +21,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_pmem import failpoints, mounts
+from csi_pmem import failpoints
 from csi_pmem.daxclient import DaxSocketError, map_volume, open_volume
-from csi_pmem.driver import volume_id_for
+from csi_pmem.driver.core import volume_id_for
+from csi_pmem.driver.host import mounts
 
 from conftest import (
     DriverProcess,

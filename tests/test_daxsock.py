@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from csi_pmem.daxclient import DaxSocketError, map_volume, open_volume
-from csi_pmem.daxsock import DaxSocketServer, pod_uid_in_cgroups
+from csi_pmem.driver.daxsock import DaxSocketServer, pod_uid_in_cgroups
 
 try:
     from tests import cgroups
@@ -337,7 +337,7 @@ def test_restart_after_sigkill_serves_the_stale_path_again(workdir: str) -> None
     sock = os.path.join(workdir, "dax.sock")
     old_server = r"""
 import os, sys, time
-from csi_pmem.daxsock import DaxSocketServer
+from csi_pmem.driver.daxsock import DaxSocketServer
 srv = DaxSocketServer()
 srv.serve(sys.argv[1], {"volume_id": "old"}, lambda: os.open(sys.argv[2], os.O_RDONLY),
           pod_uid=None)
@@ -596,7 +596,7 @@ def test_peer_outside_our_pid_namespace_is_refused(workdir: str) -> None:
     sock = os.path.join(workdir, "dax.sock")
     server_code = r"""
 import os, sys
-from csi_pmem.daxsock import DaxSocketServer
+from csi_pmem.driver.daxsock import DaxSocketServer
 srv = DaxSocketServer()
 srv.serve(sys.argv[1], {"volume_id": "ns"}, lambda: os.open(sys.argv[2], os.O_RDONLY),
           pod_uid=sys.argv[3])

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from csi_pmem import failpoints
-from csi_pmem.driver import volume_id_for
+from csi_pmem.driver.core import volume_id_for
 from csi_pmem.sizes import devdax_usable
 
 from conftest import DriverProcess, MiB, backing_ids, eventually, record_state, records

@@ -17,8 +17,9 @@ import subprocess
 import grpc
 import pytest
 
-from csi_pmem import failpoints, mounts
+from csi_pmem import failpoints
 from csi_pmem.csi import csi_pb2
+from csi_pmem.driver.host import mounts
 
 from conftest import MiB, Mode, block_cap, mount_cap, mounts_below, needs_root, records
 

@@ -32,15 +32,16 @@ from typing import Any
 
 import pytest
 
-from csi_pmem.daxsock import DaxSocketServer
+from csi_pmem.driver.daxsock import DaxSocketServer
+from csi_pmem.driver.node.devdax import SOCKET_FILE
 from csi_pmem.gpucopy import protocol
 from csi_pmem.gpucopy.copier import FAKE_GPU, FakeCopier
 from csi_pmem.gpucopy.link import ServiceLink, ServiceUnavailable
 from csi_pmem.gpucopy.service import CopyService
-from csi_pmem.loader import layout, open_model, open_volume, stage
+from csi_pmem.loader import open_model, open_volume, stage
 from csi_pmem.loader.nodecopy import NodeCopyError, Session, request_copies, service_socket
 from csi_pmem.loader.plan import place, runs
-from csi_pmem.node.devdax import SOCKET_FILE
+from csi_pmem.weights import layout
 
 import loader_models as lm
 
@@ -685,7 +686,7 @@ def test_protocol_limits():
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root for tmpfs mounts")
 def test_the_driver_serves_gpu_sock_and_releases_the_volume(driver_factory, work):
-    from csi_pmem import weights_cli
+    from csi_pmem.loader import cli as weights_cli
 
     control = str(work / "svc.sock")
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -38,13 +38,15 @@ for _m in [m for m in sys.modules if _blocked(m)]:
     del sys.modules[_m]
 """
 
-# The common layer the loader may use (standard library only); nothing else of csi_pmem
-# outside csi_pmem.loader.
+# The common layer the loader may use (standard library only), the weight store and
+# the copy service's pod-side half; nothing else of csi_pmem outside csi_pmem.loader.
 LOADER_MAY_IMPORT = {"csi_pmem", "csi_pmem.errors", "csi_pmem.sizes", "csi_pmem.mountinfo",
                      "csi_pmem.logs", "csi_pmem.failpoints", "csi_pmem.daxclient",
-                     "csi_pmem.cmdline",
+                     "csi_pmem.cmdline", "csi_pmem.fdpass", "csi_pmem.durable",
                      "csi_pmem.gpucopy", "csi_pmem.gpucopy.protocol", "csi_pmem.gpucopy.cuda",
-                     "csi_pmem.gpucopy.copier", "csi_pmem.weights_cli"}
+                     "csi_pmem.gpucopy.copier"}
+# The weight store, imported whole: the loader and the copy service share it.
+WEIGHTS = "csi_pmem.weights"
 # What the loader's GPU paths need and CI may lack; nothing else may be missing.
 OPTIONAL = {"torch", "cuda"}
 
@@ -65,11 +67,11 @@ def test_the_blocker_blocks():
 def test_every_loader_module_imports_without_the_driver_extra():
     body = f"""
 import importlib, json, pkgutil
-import csi_pmem.loader, csi_pmem.loader.sidecar
-names = sorted(m.name for m in pkgutil.walk_packages(csi_pmem.loader.__path__,
-                                                      "csi_pmem.loader."))
+import csi_pmem.loader, csi_pmem.loader.sidecar, csi_pmem.weights
+names = sorted(m.name for pkg in (csi_pmem.loader, csi_pmem.weights)
+               for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."))
 skipped = {{}}
-for name in names + ["csi_pmem.weights_cli"]:
+for name in names:
     try:
         importlib.import_module(name)
     except ModuleNotFoundError as exc:
@@ -83,15 +85,16 @@ print(json.dumps({{"names": names, "skipped": skipped,
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     for needed in ("csi_pmem.loader.sidecar.cli", "csi_pmem.loader.sidecar.revision",
-                   "csi_pmem.loader.staging", "csi_pmem.loader.volume"):
+                   "csi_pmem.loader.staging", "csi_pmem.weights.volume"):
         assert needed in doc["names"] and needed not in doc["skipped"], needed
-    outside = {m for m in doc["loaded"] if not m.startswith("csi_pmem.loader")}
+    outside = {m for m in doc["loaded"]
+               if not m.startswith(("csi_pmem.loader", WEIGHTS))}
     assert outside <= LOADER_MAY_IMPORT, sorted(outside - LOADER_MAY_IMPORT)
 
 
 def test_csi_pmem_weights_runs_without_the_driver_extra():
     body = """
-from csi_pmem import weights_cli
+from csi_pmem.loader import cli as weights_cli
 for argv in (["--help"], ["sidecar", "--help"], ["stage", "--help"]):
     try:
         weights_cli.main(argv)
@@ -158,7 +161,7 @@ print(code, text.decode().strip())
 def test_importing_the_loader_and_sidecar_does_not_import_prometheus_client():
     proc = subprocess.run(
         [sys.executable, "-c", "import sys, csi_pmem.loader, csi_pmem.loader.sidecar, "
-         "csi_pmem.weights_cli; print('prometheus_client' in sys.modules)"],
+         "csi_pmem.loader.cli; print('prometheus_client' in sys.modules)"],
         capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"

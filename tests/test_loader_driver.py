@@ -11,9 +11,10 @@ import os
 
 from safetensors.numpy import load_file
 
-from csi_pmem import weights_cli
-from csi_pmem.loader import ReadOnlyVolumeError, layout, load_numpy, open_volume, staging
-from csi_pmem.loader.volume import IMAGE_NAME, format_size
+from csi_pmem.loader import ReadOnlyVolumeError, load_numpy, open_volume, staging
+from csi_pmem.loader import cli as weights_cli
+from csi_pmem.weights import layout
+from csi_pmem.weights.volume import IMAGE_NAME, format_size
 
 import loader_models as lm
 from conftest import MiB, mount_cap, needs_root

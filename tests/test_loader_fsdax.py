@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from csi_pmem.driver.host.mounts import MountInfo, mountinfo
 from csi_pmem.loader import (
     VolumeError,
     export,
@@ -25,10 +26,9 @@ from csi_pmem.loader import (
     stage,
     start_load,
 )
-from csi_pmem.loader import volume as volume_mod
 from csi_pmem.loader.gpu import AUTO, BOUNCE, HYBRID, REGISTERED, choose_path
-from csi_pmem.loader.volume import registration_refusal, statx_dax
-from csi_pmem.mounts import MountInfo, mountinfo
+from csi_pmem.weights import volume as volume_mod
+from csi_pmem.weights.volume import registration_refusal, statx_dax
 
 import loader_models as lm
 
@@ -97,8 +97,8 @@ def test_a_tmpfs_or_plain_file_may_be_registered(shm):
     ("tmpfs", "rw,size=1g", False), ("hugetlbfs", "rw,pagesize=2M", True),
     ("ext4", "rw,dax=always", False)])
 def test_large_page_mappings_are_recognised(shm, tmp_path, fstype, options, large):
-    from csi_pmem.loader.volume import large_pages
     from csi_pmem.mountinfo import MountInfo
+    from csi_pmem.weights.volume import large_pages
 
     vol = lm.volume_file(shm / "vol", 4 * MiB)
     st = os.stat(vol)

@@ -18,13 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from csi_pmem import weights_cli
 from csi_pmem.loader import (
     NoModelError,
     ReadOnlyVolumeError,
     VolumeError,
     VolumeTooSmallError,
-    layout,
     load_numpy,
     open_model,
     open_volume,
@@ -32,9 +30,11 @@ from csi_pmem.loader import (
     staging,
     start_load,
 )
-from csi_pmem.loader import volume as volume_mod
+from csi_pmem.loader import cli as weights_cli
 from csi_pmem.loader.gpu import AUTO, BOUNCE, REGISTERED, choose_path
-from csi_pmem.loader.volume import IMAGE_NAME
+from csi_pmem.weights import layout
+from csi_pmem.weights import volume as volume_mod
+from csi_pmem.weights.volume import IMAGE_NAME
 
 import loader_models as lm
 

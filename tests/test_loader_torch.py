@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from csi_pmem.loader import ChecksumError, load_safetensors, open_volume, stage, start_load
-from csi_pmem.loader.layout import read_index
+from csi_pmem.weights.layout import read_index
 
 import loader_models as lm
 
@@ -222,15 +222,16 @@ def test_a_bad_chunk_in_an_early_batch_fails_the_load(tmp_path, monkeypatch):
 def test_device_sums_equal_the_host_sums():
     import numpy as np
 
-    from csi_pmem.loader import wsum
+    from csi_pmem.loader import devsums
+    from csi_pmem.weights import wsum
 
     rng = np.random.default_rng(3)
     data = rng.integers(0, 256, 3 * 8 * wsum.ROW * 4 + 123, dtype=np.uint8)
     dev = torch.from_numpy(data).cuda()
     for start, end in [(0, len(data)), (8, 8 * wsum.ROW + 5), (16, 24), (0, 3)]:
-        assert wsum.device_sums(dev[start:end]) == wsum.cpu_sums(data[start:end].tobytes())
+        assert devsums.device_sums(dev[start:end]) == wsum.cpu_sums(data[start:end].tobytes())
     chunk = 8 * wsum.ROW * 4
-    assert wsum.device_chunk_sums(dev[:3 * chunk], chunk) == [
+    assert devsums.device_chunk_sums(dev[:3 * chunk], chunk) == [
         wsum.cpu_sums(data[i * chunk:(i + 1) * chunk].tobytes()) for i in range(3)]
 
 
@@ -240,23 +241,24 @@ def test_sums_sharing_one_read_back_equal_the_host_sums():
     it belongs."""
     import numpy as np
 
-    from csi_pmem.loader import wsum
+    from csi_pmem.loader import devsums
+    from csi_pmem.weights import wsum
 
     rng = np.random.default_rng(5)
     data = rng.integers(0, 256, 3 * 8 * wsum.ROW * 4 + 123, dtype=np.uint8)
     dev = torch.from_numpy(data).cuda()
-    rb = wsum.Readback()
+    rb = devsums.Readback()
     spans = [(0, len(data)), (8, 8 * wsum.ROW + 5), (16, 24), (0, 3), (40, 8 * wsum.ROW * 2)]
-    singles = [wsum.device_sums_async(dev[a:b], rb) for a, b in spans]
+    singles = [devsums.device_sums_async(dev[a:b], rb) for a, b in spans]
     chunk = 8 * wsum.ROW * 4
-    chunks = wsum.device_chunk_sums_async(dev[:3 * chunk], chunk, rb)
+    chunks = devsums.device_chunk_sums_async(dev[:3 * chunk], chunk, rb)
     assert len(rb._queued) > len(spans)  # nothing read back yet
     assert chunks.result() == [wsum.cpu_sums(data[i * chunk:(i + 1) * chunk].tobytes())
                                for i in range(3)]
     assert rb._queued == []  # all of them in that one read-back
     assert [p.result() for p in singles] == [wsum.cpu_sums(data[a:b].tobytes())
                                              for a, b in spans]
-    late = wsum.device_sums_async(dev[8:16], rb)  # noted after a read-back: read on its own
+    late = devsums.device_sums_async(dev[8:16], rb)  # noted after a read-back: read on its own
     assert late.result() == wsum.cpu_sums(data[8:16].tobytes())
 
 
@@ -266,7 +268,8 @@ def test_the_checksum_kernel_equals_the_host_sums(monkeypatch):
     last word, results over several pages read back more than once) equal numpy's."""
     import numpy as np
 
-    from csi_pmem.loader import kernelsum, wsum
+    from csi_pmem.loader import kernelsum
+    from csi_pmem.weights import wsum
 
     monkeypatch.setattr(kernelsum, "PAGE", 4)
     monkeypatch.setattr(kernelsum, "MAX_RANGES", 2)  # 3 and 6 chunks: several launches
@@ -292,7 +295,7 @@ def test_the_checksum_kernel_equals_the_host_sums(monkeypatch):
 @cuda
 def test_a_verified_load_uses_the_kernel(models, monkeypatch):
     """A default verified load sums with the project's kernel, not torch's reductions."""
-    from csi_pmem.loader import gpuverify, kernelsum, wsum
+    from csi_pmem.loader import devsums, gpuverify, kernelsum
 
     made = []
     real = gpuverify.device_sums
@@ -303,7 +306,7 @@ def test_a_verified_load_uses_the_kernel(models, monkeypatch):
     got = load_safetensors(str(vol), "cuda:0")
     assert_same(got, reference(models / "np"))
     assert made and all(isinstance(s, kernelsum.KernelSums) for s in made)
-    assert not any(isinstance(s, wsum.TorchSums) for s in made)
+    assert not any(isinstance(s, devsums.TorchSums) for s in made)
 
 
 @cuda
@@ -352,9 +355,9 @@ def test_a_file_on_a_dax_mount_is_never_registered(models, tmp_path, monkeypatch
                                                    mode):
     """fsdax: the kernel refuses the pins, so the loader must not even try."""
     from csi_pmem.loader import registered
-    from csi_pmem.loader import volume as volume_mod
     from csi_pmem.loader.gpu import GpuLoader
     from csi_pmem.loader.model import open_model
+    from csi_pmem.weights import volume as volume_mod
 
     def must_not_register(self, start, end):
         raise AssertionError("a DAX file's mapping was registered")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from csi_pmem import mounts
+from csi_pmem.driver.host import mounts
+from csi_pmem.driver.host.mounter import HostMounter, LoopDevices, Mounter
 from csi_pmem.errors import CommandError, Unavailable
-from csi_pmem.mounter import HostMounter, LoopDevices, Mounter
 
 from conftest import MiB, needs_root
 from fake_mounter import FakeMounter

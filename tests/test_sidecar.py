@@ -30,19 +30,13 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from csi_pmem import params, weights_cli
-from csi_pmem.loader import (
-    VolumeTooSmallError,
-    export,
-    layout,
-    load_numpy,
-    open_volume,
-    sidecar,
-    stage,
-)
+from csi_pmem.driver import params
+from csi_pmem.loader import VolumeTooSmallError, export, load_numpy, open_volume, sidecar, stage
+from csi_pmem.loader import cli as weights_cli
 from csi_pmem.loader.staging import scan_source
-from csi_pmem.loader.stformat import read_header_file
-from csi_pmem.loader.volume import IMAGE_NAME
+from csi_pmem.weights import layout
+from csi_pmem.weights.stformat import read_header_file
+from csi_pmem.weights.volume import IMAGE_NAME
 
 import loader_models as lm
 from conftest import mount_cap, needs_root
@@ -111,7 +105,7 @@ class SidecarProc:
 
     def __init__(self, volume: Path | str, source: Path | str, *extra: str, name: str = "m",
                  failpoints: str = ""):
-        argv = [sys.executable, "-m", "csi_pmem.weights_cli", "sidecar", "--volume",
+        argv = [sys.executable, "-m", "csi_pmem.loader.cli", "sidecar", "--volume",
                 str(volume), "--source", str(source), "--name", name,
                 "--listen", "127.0.0.1:0", *extra]
         env = dict(os.environ, PYTHONPATH=str(ROOT), CSI_PMEM_FAILPOINTS=failpoints)
@@ -224,7 +218,7 @@ def sidecars():
 
 def run_once(volume: Path | str, source: Path | str, *extra: str, name: str = "m",
              failpoints: str = "") -> tuple[int, dict | None, str]:
-    argv = [sys.executable, "-m", "csi_pmem.weights_cli", "sidecar", "--volume", str(volume),
+    argv = [sys.executable, "-m", "csi_pmem.loader.cli", "sidecar", "--volume", str(volume),
             "--source", str(source), "--name", name, "--once", *extra]
     env = dict(os.environ, PYTHONPATH=str(ROOT), CSI_PMEM_FAILPOINTS=failpoints)
     p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)

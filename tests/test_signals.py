@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from csi_pmem import unixsock
+from csi_pmem import fdpass as unixsock
 
 from conftest import ROOT, needs_root
 

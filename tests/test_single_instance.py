@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from csi_pmem import daxclient, unixsock
+from csi_pmem import daxclient
+from csi_pmem import fdpass as unixsock
 from csi_pmem.csi import csi_pb2
-from csi_pmem.instance import AlreadyRunning, StateDirLock
+from csi_pmem.driver.instance import AlreadyRunning, StateDirLock
 
 from conftest import ROOT, DriverProcess, needs_root
 

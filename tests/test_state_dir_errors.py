@@ -1,6 +1,6 @@
 """A full or read-only state directory, through the real driver over gRPC.
 
-Why: every mutating RPC writes a state record before it acts (csi_pmem.state), so a
+Why: every mutating RPC writes a state record before it acts (csi_pmem.driver.state), so a
 full state directory stops them all. The operator must read what is short and where in
 the RPC's status (RESOURCE_EXHAUSTED or FAILED_PRECONDITION naming the state directory),
 not an INTERNAL "see the driver log"; nothing may be left behind (no temp files, no

@@ -2,7 +2,7 @@
 
 Why the node plugin forwards pods instead of the service listening in each volume
 directory: authenticating the peer (SO_PEERCRED, then its cgroup must name the pod the
-volume was published to) already lives in :mod:`csi_pmem.daxsock`, and only the node
+volume was published to) already lives in :mod:`csi_pmem.driver.daxsock`, and only the node
 plugin can create sockets inside kubelet's publish targets. So ``gpu.sock`` is served
 by the same selector loop as ``dax.sock``; after the same checks, the connection and
 the volume's fd travel to the service, which talks to the pod from then on.

@@ -75,9 +75,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     from csi_pmem import logs
+    from csi_pmem.fdpass import SocketInUse
     from csi_pmem.gpucopy.copier import Copier, CopyError, FakeCopier
     from csi_pmem.gpucopy.service import CopyService
-    from csi_pmem.unixsock import SocketInUse
 
     args = resolve(args)
     logs.setup(args.log_format, args.log_level)

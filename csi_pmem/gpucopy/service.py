@@ -34,13 +34,13 @@ import threading
 import time
 from typing import Any
 
-from csi_pmem import unixsock
+from csi_pmem import fdpass as unixsock
 from csi_pmem.gpucopy import protocol
 from csi_pmem.gpucopy.copier import Copier, CopyError, HostCopy
-from csi_pmem.loader.errors import LoaderError
-from csi_pmem.loader.layout import index_heads, read_index
-from csi_pmem.loader.volume import Volume, buffer_address
 from csi_pmem.sizes import round_up
+from csi_pmem.weights.errors import LoaderError
+from csi_pmem.weights.layout import index_heads, read_index
+from csi_pmem.weights.volume import Volume, buffer_address
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Why: a pod meets the GPU copy service through the node plugin: a published directory
 with ``dax.sock`` (the volume's fd) and ``gpu.sock`` (forwarded to the service after the
 peer checks). This runs exactly those parts, the node plugin's socket server
-(:class:`csi_pmem.daxsock.DaxSocketServer`) in this process and the service as its own
+(:class:`csi_pmem.driver.daxsock.DaxSocketServer`) in this process and the service as its own
 process (``csi-pmem gpu-copy``), over a volume (a devdax device, or a file standing in
 for one). Fresh processes then load from the directory as a pod would: the benchmarks
 and the GPU tests use it, and so can anyone trying the service on one machine. No
@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from csi_pmem.daxsock import DaxSocketServer
+from csi_pmem.driver.daxsock import DaxSocketServer
 from csi_pmem.gpucopy.link import ServiceLink
 from csi_pmem.gpucopy.protocol import SOCKET_NAME
 

@@ -20,7 +20,9 @@ from csi_pmem.loader.api import (
     load_safetensors,
     start_load,
 )
-from csi_pmem.loader.errors import (
+from csi_pmem.loader.model import ModelView, open_model
+from csi_pmem.loader.staging import export, stage, verify
+from csi_pmem.weights.errors import (
     AlignmentError,
     ChecksumError,
     LayoutError,
@@ -31,9 +33,7 @@ from csi_pmem.loader.errors import (
     VolumeError,
     VolumeTooSmallError,
 )
-from csi_pmem.loader.model import ModelView, open_model
-from csi_pmem.loader.staging import export, stage, verify
-from csi_pmem.loader.volume import Volume, open_volume
+from csi_pmem.weights.volume import Volume, open_volume
 
 __all__ = [
     "AlignmentError", "ChecksumError", "LayoutError", "LoadHandle", "LoaderError",

@@ -20,12 +20,13 @@ from typing import Any
 # gpuverify imports no torch at module level. It is imported here, with the loader, and
 # not inside start_load: there, the import was most of the 4.5-7.3 ms that setting up
 # the check took inside a verified node-path load of 0.25 s in fresh processes.
-from csi_pmem.loader import checksum, gpuverify
+from csi_pmem.loader import gpuverify
 from csi_pmem.loader.cpu import numpy_view, torch_view
-from csi_pmem.loader.errors import ChecksumError, LoaderError
 from csi_pmem.loader.model import ModelView, open_model
-from csi_pmem.loader.stformat import TensorInfo
-from csi_pmem.loader.volume import Volume
+from csi_pmem.weights import checksum
+from csi_pmem.weights.errors import ChecksumError, LoaderError
+from csi_pmem.weights.stformat import TensorInfo
+from csi_pmem.weights.volume import Volume
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from csi_pmem.loader.stformat import NUMPY_DTYPE, SUB_BYTE, TensorInfo
-from csi_pmem.loader.volume import Volume
+from csi_pmem.weights.stformat import NUMPY_DTYPE, SUB_BYTE, TensorInfo
+from csi_pmem.weights.volume import Volume
 
 TORCH_DTYPE_NAMES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",

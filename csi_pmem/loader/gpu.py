@@ -56,7 +56,6 @@ from csi_pmem.gpucopy.copier import CopyError
 from csi_pmem.loader import native, nodecopy, streams
 from csi_pmem.loader import plan as planning
 from csi_pmem.loader.cpu import torch_dtype
-from csi_pmem.loader.errors import LoaderError
 from csi_pmem.loader.model import ModelView
 from csi_pmem.loader.numa import node_cpus
 from csi_pmem.loader.pipeline import BouncePipeline
@@ -71,9 +70,10 @@ from csi_pmem.loader.registered import (
     register_pieces,
     report_landed,
 )
-from csi_pmem.loader.stformat import TensorInfo
-from csi_pmem.loader.volume import MADV_POPULATE_WRITE, Volume, format_size, libc
 from csi_pmem.sizes import MiB, round_up
+from csi_pmem.weights.errors import LoaderError
+from csi_pmem.weights.stformat import TensorInfo
+from csi_pmem.weights.volume import MADV_POPULATE_WRITE, Volume, format_size, libc
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from csi_pmem.loader import checksum, streams, wsum
-from csi_pmem.loader.layout import FileEntry, chunk_ranges
+from csi_pmem.loader import devsums, streams
 from csi_pmem.loader.model import ModelView
-from csi_pmem.loader.stformat import TensorInfo
+from csi_pmem.weights import checksum, wsum
+from csi_pmem.weights.layout import FileEntry, chunk_ranges
+from csi_pmem.weights.stformat import TensorInfo
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,13 @@ def device_plan(view: ModelView, fname: str, tensors: list[TensorInfo]) -> FileP
 
 
 def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
-                  indices: list[int], sums: Any = None) -> wsum.Pending:
+                  indices: list[int], sums: Any = None) -> devsums.Pending:
     """Queue the sums of the chunks ``indices`` of ``plan``'s file on the current
     stream; ``result()`` waits for them and returns the mismatches. ``buffer`` is the
     file's device buffer, whose byte ``first_dst`` holds the volume byte
     ``plan.data_start``. ``sums`` (:func:`device_sums`) computes and reads back."""
     entry, ds, size = plan.entry, plan.data_start - plan.entry.offset, plan.chunk_size
-    sums = sums if sums is not None else wsum.TorchSums()
+    sums = sums if sums is not None else devsums.TorchSums()
 
     def dev(rel_start: int, rel_end: int) -> Any:
         return buffer[first_dst + rel_start - ds:first_dst + rel_end - ds]
@@ -103,7 +104,7 @@ def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
     run: list[int] = []
     for i in [*full, None]:
         if run and (i is None or i != run[-1] + 1):
-            batch = wsum.Pending(sums.chunks(
+            batch = devsums.Pending(sums.chunks(
                 dev(ranges[run[0]][0], ranges[run[-1]][0] + size), size))
             for k, index in enumerate(run):
                 got[index] = lambda batch=batch, k=k: batch.result()[k]
@@ -139,7 +140,7 @@ def launch_chunks(view: ModelView, plan: FilePlan, buffer: Any, first_dst: int,
                     out.append(checksum.Mismatch(chunk, digest))
         return out
 
-    return wsum.Pending(mismatches)
+    return devsums.Pending(mismatches)
 
 
 def device_sums(device: Any) -> Any:
@@ -154,7 +155,7 @@ def device_sums(device: Any) -> Any:
             return kernelsum.KernelSums(device)
         except Exception as exc:  # ImportError, a CUDA error: the fallback works anyway
             log.debug("checksum kernel unavailable (%s); using torch's reductions", exc)
-    return wsum.TorchSums()
+    return devsums.TorchSums()
 
 
 class _FileProgress:
@@ -284,7 +285,7 @@ class DeviceVerifier:
     def _check_all(self, stream: Any) -> None:
         # The buffers stay referenced until the reductions that read them are done, so
         # that the caching allocator cannot hand their memory out under them.
-        launched: list[tuple[wsum.Pending, Any]] = []
+        launched: list[tuple[devsums.Pending, Any]] = []
         bad: list[checksum.Mismatch] = []
         while True:
             with self._wake:
@@ -343,7 +344,7 @@ class DeviceVerifier:
             if exc_ is not None and self._error is None:
                 self._error = exc_
 
-    def _collect(self, stream: Any, launched: list[tuple[wsum.Pending, Any]]
+    def _collect(self, stream: Any, launched: list[tuple[devsums.Pending, Any]]
                  ) -> tuple[list[checksum.Mismatch], BaseException | None]:
         """Every reduction is queued: one read-back for all of them (on their stream, so
         it waits for them), then compare."""

@@ -1,6 +1,6 @@
 """``wsum64`` on the device by the project's own kernel, through the CUDA driver.
 
-Why not torch's reductions (:class:`.wsum.TorchSums`, the fallback): a fresh process
+Why not torch's reductions (:class:`.devsums.TorchSums`, the fallback): a fresh process
 loads the code of every torch kernel the first time it launches it. The check's
 reductions, arange, multiply and cat took tens of milliseconds to load on an H200 host,
 and the loading held a driver lock that stopped the load's copy threads: the copy
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from csi_pmem.loader import wsum_kernel
-from csi_pmem.loader.wsum import MASK
+from csi_pmem.weights.wsum import MASK
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class KernelSums:
     """Sums of device buffers by the kernel, on the current torch stream; the getters
     each method returns read the results back (all slots of a page in one copy).
 
-    The same interface as :class:`.wsum.TorchSums`: ``chunks(buf, chunk_bytes)`` for
+    The same interface as :class:`.devsums.TorchSums`: ``chunks(buf, chunk_bytes)`` for
     whole chunks back to back, ``range(buf)`` for one range summed as if it started a
     chunk. ``buf`` is a uint8 CUDA tensor whose first byte is 8-byte aligned; it must stay
     allocated until the results are read.

@@ -11,10 +11,10 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from csi_pmem.loader.errors import LayoutError, LoaderError, NoModelError
-from csi_pmem.loader.layout import FileEntry, ModelEntry, read_index
-from csi_pmem.loader.stformat import Header, TensorInfo, parse_header
-from csi_pmem.loader.volume import Volume, open_volume
+from csi_pmem.weights.errors import LayoutError, LoaderError, NoModelError
+from csi_pmem.weights.layout import FileEntry, ModelEntry, read_index
+from csi_pmem.weights.stformat import Header, TensorInfo, parse_header
+from csi_pmem.weights.volume import Volume, open_volume
 
 Predicate = Callable[[str], bool]
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from csi_pmem.loader import plan as planning
-from csi_pmem.loader.errors import LoaderError
+from csi_pmem.weights.errors import LoaderError
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def library() -> ctypes.CDLL | None:
 
 def source_fd(read_fd: int | None) -> int:
     """The ``src_fd`` for :func:`run`: ``read_fd`` (a volume's
-    :meth:`~csi_pmem.loader.volume.Volume.read_fd`) unless ``CSI_PMEM_BOUNCE_SOURCE=map``
+    :meth:`~csi_pmem.weights.volume.Volume.read_fd`) unless ``CSI_PMEM_BOUNCE_SOURCE=map``
     says to copy from the mapping; -1 (the mapping) when there is none."""
     choice = os.environ.get(SOURCE_ENV, "auto")
     if choice not in ("auto", "map"):

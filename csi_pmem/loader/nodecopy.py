@@ -27,8 +27,8 @@ from typing import Any
 from csi_pmem.daxclient import unix_address
 from csi_pmem.gpucopy import cuda as gpucuda
 from csi_pmem.gpucopy import protocol
-from csi_pmem.loader.errors import LoaderError
-from csi_pmem.loader.volume import Volume
+from csi_pmem.weights.errors import LoaderError
+from csi_pmem.weights.volume import Volume
 
 log = logging.getLogger(__name__)
 # gpucuda is imported with the loader rather than at the first allocation: importing it

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from csi_pmem.loader.stformat import TensorInfo
 from csi_pmem.sizes import round_up
+from csi_pmem.weights.stformat import TensorInfo
 
 # Device placement keeps each tensor's source offset modulo this, so a tensor aligned
 # for its dtype in the file is aligned on the device too (cudaMalloc gives 256).

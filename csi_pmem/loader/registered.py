@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from csi_pmem.loader import plan as planning
-from csi_pmem.loader.volume import MiB, Volume, format_size
+from csi_pmem.weights.volume import MiB, Volume, format_size
 
 log = logging.getLogger(__name__)
 

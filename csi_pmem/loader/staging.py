@@ -3,7 +3,7 @@
 Why a separate step from loading: staging writes (a sidecar with a read-write mount),
 loading only reads (the server, mounted read-only). Staging is restartable: the index
 records the plan first, then marks each file done after its bytes are copied,
-checksummed and persisted (:mod:`~csi_pmem.loader.persist`: a CPU cache flush on
+checksummed and persisted (:mod:`~csi_pmem.weights.persist`: a CPU cache flush on
 device-dax, msync on page-cache files), and commits the model last, so a crash or
 signal at any point leaves either the previous state or a ``staging`` entry that loads
 refuse and the next ``stage`` resumes (files already done are verified, not copied again).
@@ -13,9 +13,9 @@ it): one copy, no intermediate buffer, and several chunks in flight on a thread 
 because ``preadv`` and hashlib release the GIL.
 
 A directory volume (an fsdax file system volume: no ``dax.sock``) is the image file
-``csi-pmem-weights.img`` inside it (:data:`~csi_pmem.loader.volume.IMAGE_NAME`).
+``csi-pmem-weights.img`` inside it (:data:`~csi_pmem.weights.volume.IMAGE_NAME`).
 :func:`open_for_staging` creates it, and :func:`stage` grows it to
-:func:`~csi_pmem.loader.layout.required_size` (the index area, the committed models
+:func:`~csi_pmem.weights.layout.required_size` (the index area, the committed models
 kept, then the new model's files at their aligned offsets, rounded up to the align)
 before it writes the plan; it never shrinks, and is fsynced once the model is committed.
 """
@@ -31,14 +31,15 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from csi_pmem import failpoints
-from csi_pmem.loader import checksum
-from csi_pmem.loader.errors import (
+from csi_pmem.sizes import round_up
+from csi_pmem.weights import checksum
+from csi_pmem.weights.errors import (
     ChecksumError,
     LayoutError,
     LoaderError,
     ReadOnlyVolumeError,
 )
-from csi_pmem.loader.layout import (
+from csi_pmem.weights.layout import (
     COMMITTED,
     INDEX_AREA,
     KIND_AUX,
@@ -54,8 +55,8 @@ from csi_pmem.loader.layout import (
     required_size,
     write_index,
 )
-from csi_pmem.loader.stformat import read_header_file
-from csi_pmem.loader.volume import (
+from csi_pmem.weights.stformat import read_header_file
+from csi_pmem.weights.volume import (
     DEFAULT_ALIGN,
     Volume,
     format_size,
@@ -63,7 +64,6 @@ from csi_pmem.loader.volume import (
     prepare_image,
     volume_image,
 )
-from csi_pmem.sizes import round_up
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def open_for_staging(path: str | os.PathLike[str], *, align: int | None = None,
     For a directory volume (no ``dax.sock``: an fsdax file system volume's mount) this
     creates its image file when missing, holding just the index area (:func:`stage`
     grows it to fit the model), and grows it to ``size`` first when given. Every other
-    volume is opened as :func:`~csi_pmem.loader.volume.open_volume` opens it.
+    volume is opened as :func:`~csi_pmem.weights.volume.open_volume` opens it.
     """
     image = volume_image(path)
     if image is not None:

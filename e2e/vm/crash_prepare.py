@@ -35,8 +35,9 @@ sys.path.insert(0, str(REPO / "e2e" / "vm"))
 import weights_guest as wg  # noqa: E402
 
 from csi_pmem import failpoints  # noqa: E402
-from csi_pmem.loader import layout, open_volume  # noqa: E402
-from csi_pmem.loader.errors import LoaderError  # noqa: E402
+from csi_pmem.loader import open_volume  # noqa: E402
+from csi_pmem.weights import layout  # noqa: E402
+from csi_pmem.weights.errors import LoaderError  # noqa: E402
 
 OUT = Path(os.environ.get("E2E_VM_OUT", "/run/vm-out"))
 STALL_TIMEOUT = 600.0
@@ -67,7 +68,7 @@ def stage_proc(model: Path, dev: str, point: str | None) -> subprocess.Popen:
     env = wg.env_without_csi()
     if point:
         env["CSI_PMEM_FAILPOINTS"] = f"{point}=stall"
-    return subprocess.Popen([sys.executable, "-m", "csi_pmem.weights_cli", "stage",
+    return subprocess.Popen([sys.executable, "-m", "csi_pmem.loader.cli", "stage",
                              str(model), dev, "--name", "m", "-q"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -696,7 +696,7 @@ def vm_flavour(name: str) -> tuple[Flavour, str]:
     csi-sanity sends required_bytes == limit_bytes == the test size in several specs.
     A devdax namespace keeps its struct pages on the device, so the namespace offers
     more than a 64 MiB request (80 MiB namespace, 78 MiB usable); the driver then
-    advertises the limit (csi_pmem.driver.promised_size). Running the same sizes as the
+    advertises the limit (csi_pmem.driver.core.promised_size). Running the same sizes as the
     emulated tier checks that path against the real kernel.
     """
     flavour = FLAVOURS[name]
@@ -976,7 +976,7 @@ def test_restart_serves_published_volumes_again(drv: Driver, how: str) -> None:
 
 
 def _record(drv: Driver, vid: str) -> dict | None:
-    p = drv.state / "volumes" / f"{vid}.json"  # csi_pmem.state.StateStore's layout
+    p = drv.state / "volumes" / f"{vid}.json"  # csi_pmem.driver.state.StateStore's layout
     return json.loads(p.read_text()) if p.exists() else None
 
 
@@ -987,7 +987,7 @@ def test_sigkill_between_ndctl_create_and_state_write(drv: Driver) -> None:
     err = rpc_error(lambda: create(drv, name, 64 * MiB, {"numaNode": "1"}, op="crash"))
     assert err.code() == Code.UNAVAILABLE, err
     assert drv.wait_exit() == -signal.SIGKILL
-    from csi_pmem.driver import volume_id_for
+    from csi_pmem.driver.core import volume_id_for
 
     vid = volume_id_for(name)
     left = named_namespaces()

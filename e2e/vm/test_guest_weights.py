@@ -25,8 +25,9 @@ from typing import Any
 
 import pytest
 
-from csi_pmem.loader import layout, load_numpy, open_volume
-from csi_pmem.loader.errors import LoaderError
+from csi_pmem.loader import load_numpy, open_volume
+from csi_pmem.weights import layout
+from csi_pmem.weights.errors import LoaderError
 from e2e.vm import weights_guest as wg
 
 pytestmark = pytest.mark.vmconfig("crash-check")

@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from csi_pmem.loader import layout, load_numpy, open_volume
-from csi_pmem.weights_cli import EXIT_MISMATCH
+from csi_pmem.loader import load_numpy, open_volume
+from csi_pmem.loader.cli import EXIT_MISMATCH
+from csi_pmem.weights import layout
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -32,7 +33,7 @@ import loader_models as lm  # noqa: E402
 def cli(*args: Any, rc: int | None = 0, timeout: float = 900) -> subprocess.CompletedProcess:
     """Run ``csi-pmem-weights ARGS`` in a fresh process; check its exit status (None:
     any) and that it never printed a traceback."""
-    proc = subprocess.run([sys.executable, "-m", "csi_pmem.weights_cli", *map(str, args)],
+    proc = subprocess.run([sys.executable, "-m", "csi_pmem.loader.cli", *map(str, args)],
                           capture_output=True, text=True, cwd=REPO, timeout=timeout)
     assert "Traceback" not in proc.stderr, f"csi-pmem-weights {args}: {proc.stderr}"
     if rc is not None:

@@ -20,14 +20,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_pmem.backends.emulated import EmulatedBackend
 from csi_pmem.csi import csi_pb2
-from csi_pmem.daxsock import DaxSocketServer
-from csi_pmem.driver import Driver, DriverConfig
-from csi_pmem.servicers.controller import ControllerServicer
-from csi_pmem.servicers.identity import IdentityServicer
-from csi_pmem.servicers.node import POD_UID_KEY, NodeServicer
-from csi_pmem.state import StateStore
+from csi_pmem.driver.backends.emulated import EmulatedBackend
+from csi_pmem.driver.core import Driver, DriverConfig
+from csi_pmem.driver.daxsock import DaxSocketServer
+from csi_pmem.driver.servicers.controller import ControllerServicer
+from csi_pmem.driver.servicers.identity import IdentityServicer
+from csi_pmem.driver.servicers.node import POD_UID_KEY, NodeServicer
+from csi_pmem.driver.state import StateStore
 
 from conftest import MiB, mount_cap
 from fake_mounter import FakeMounter

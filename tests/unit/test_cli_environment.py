@@ -9,8 +9,9 @@ import argparse
 
 import pytest
 
-from csi_pmem import cli, cmdline, config, server
+from csi_pmem import cli, cmdline
 from csi_pmem.cmdline import Exit
+from csi_pmem.driver import config, server
 from csi_pmem.gpucopy import main as gpu_copy
 
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from csi_pmem.backends.emulated import EmulatedBackend, parse_regions
+from csi_pmem.driver.backends.emulated import EmulatedBackend, parse_regions
 from csi_pmem.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from csi_pmem.sizes import GiB, MiB, devdax_usable
 

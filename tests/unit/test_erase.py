@@ -1,4 +1,5 @@
-"""Tests for csi_pmem.erase: a deleted volume's bytes must never reach the next tenant.
+"""Tests for csi_pmem.driver.erasing.erase: a deleted volume's bytes must never reach the next
+tenant.
 
 The tests use regular files on tmpfs (/dev/shm when it exists) because they map and
 zero exactly like a devdax device does in this module: MAP_SHARED, no write().
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_pmem import erase
+from csi_pmem.driver.erasing import erase
 from csi_pmem.errors import BackendError
 
 MiB = 1 << 20
@@ -404,7 +405,7 @@ def test_erasing_a_file_holds_a_bounded_part_of_it_mapped(tmp_path):
         f.truncate(size)
     child = textwrap.dedent(f"""
         import os
-        from csi_pmem import erase
+        from csi_pmem.driver.erasing import erase
 
         def hwm():
             with open("/proc/self/status") as f:

@@ -30,7 +30,6 @@ from csi_pmem.loader import (
     SafetensorsFormatError,
     VolumeTooSmallError,
     export,
-    layout,
     load_numpy,
     open_model,
     open_volume,
@@ -38,10 +37,10 @@ from csi_pmem.loader import (
     staging,
     start_load,
     verify,
-    wsum,
 )
-from csi_pmem.loader import volume as volume_mod
-from csi_pmem.loader.stformat import parse_header
+from csi_pmem.weights import layout, wsum
+from csi_pmem.weights import volume as volume_mod
+from csi_pmem.weights.stformat import parse_header
 
 import loader_models as lm
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from csi_pmem import weights_cli
-from csi_pmem.loader import layout, load_numpy, open_volume, progress
-from csi_pmem.loader.stformat import read_header_file
+from csi_pmem.loader import cli as weights_cli
+from csi_pmem.loader import load_numpy, open_volume, progress
+from csi_pmem.weights import layout
+from csi_pmem.weights.stformat import read_header_file
 
 import loader_models as lm
 
@@ -108,7 +109,7 @@ def test_log_level_is_checked_and_a_closed_pipe_is_quiet(tmp_path, capsys):
     r, w = os.pipe()
     os.close(r)  # `| head` has gone before anything is written
     for argv in (["ls", "--json", vol], ["ls", vol]):
-        proc = subprocess.run([sys.executable, "-m", "csi_pmem.weights_cli", *map(str, argv)],
+        proc = subprocess.run([sys.executable, "-m", "csi_pmem.loader.cli", *map(str, argv)],
                               stdout=w, stderr=subprocess.PIPE, text=True, timeout=60,
                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
         assert (proc.returncode, proc.stderr) == (141, ""), argv
@@ -221,7 +222,7 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(str(tmp_path / "dax.sock"))
         listener.listen(8)
-        proc = subprocess.Popen([sys.executable, "-m", "csi_pmem.weights_cli", "ls",
+        proc = subprocess.Popen([sys.executable, "-m", "csi_pmem.loader.cli", "ls",
                                  str(tmp_path)], stderr=subprocess.PIPE, text=True,
                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
         try:

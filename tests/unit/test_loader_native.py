@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from test_loader_pipeline import random_model, tensors_from
 
 from csi_pmem.loader import native, plan
-from csi_pmem.loader.errors import LoaderError
+from csi_pmem.weights.errors import LoaderError
 
 
 def fake_run(source: bytes, tensors, *, nbuffers=3, size=1000, threads=3, on_done=None,

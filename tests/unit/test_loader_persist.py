@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from csi_pmem import failpoints
-from csi_pmem.loader import layout, persist, staging
-from csi_pmem.loader.errors import VolumeError
-from csi_pmem.loader.volume import Volume, _map, open_volume
+from csi_pmem.loader import staging
+from csi_pmem.weights import layout, persist
+from csi_pmem.weights.errors import VolumeError
+from csi_pmem.weights.volume import Volume, _map, open_volume
 
 import loader_models as lm
 
@@ -170,7 +171,7 @@ def test_map_sync_refused_falls_back_to_a_plain_mapping(tmp_path):
 
 
 def test_a_dax_file_that_refuses_map_sync_is_persisted_with_msync(monkeypatch, tmp_path):
-    from csi_pmem.loader import volume as volume_mod
+    from csi_pmem.weights import volume as volume_mod
 
     monkeypatch.setattr(volume_mod, "dax_file_reason", lambda fd, path=None, **kw: "DAX (test)")
     vol = lm.volume_file(tmp_path / "vol", 4 * MiB)
@@ -186,7 +187,7 @@ def test_failpoint_actions_parse():
 def _stage_cli(vol: Path, src: Path, *extra: str, env: dict[str, str] | None = None,
                **kw) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "csi_pmem.weights_cli", "stage", str(src), str(vol),
+        [sys.executable, "-m", "csi_pmem.loader.cli", "stage", str(src), str(vol),
          "--name", "m", "-q", *extra], cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, **kw)
 
@@ -203,7 +204,7 @@ def test_sigkill_at_each_step_of_a_stage_is_resumable_or_committed(tmp_path, mod
     committed = point == failpoints.WEIGHTS_AFTER_COMMIT
     assert state == (layout.COMMITTED if committed else layout.STAGING), (point, state)
     if not committed:
-        verify = subprocess.run([sys.executable, "-m", "csi_pmem.weights_cli", "verify",
+        verify = subprocess.run([sys.executable, "-m", "csi_pmem.loader.cli", "verify",
                                  str(vol), "-q"], cwd=REPO, capture_output=True, text=True,
                                 timeout=60)
         assert verify.returncode != 0 and "not committed" in verify.stderr

@@ -19,8 +19,8 @@ from csi_pmem.loader import plan
 from csi_pmem.loader.numa import node_cpus, parse_cpulist
 from csi_pmem.loader.pipeline import BouncePipeline
 from csi_pmem.loader.registered import register_pieces
-from csi_pmem.loader.stformat import TensorInfo
-from csi_pmem.loader.volume import buffer_address
+from csi_pmem.weights.stformat import TensorInfo
+from csi_pmem.weights.volume import buffer_address
 
 
 class LazyDevice:
@@ -251,8 +251,8 @@ def test_a_piece_given_back_goes_to_the_back_side():
 def test_bounce_copy_choice_is_checked(monkeypatch):
     """CSI_PMEM_BOUNCE_COPY picks the transfer; a typo is a loader error naming both
     choices, and ``torch`` never touches cuda-python."""
-    from csi_pmem.loader.errors import LoaderError
     from csi_pmem.loader.gpu import _driver_copy
+    from csi_pmem.weights.errors import LoaderError
 
     monkeypatch.setenv("CSI_PMEM_BOUNCE_COPY", "torch")
     assert _driver_copy(None, None, [0] * 4) is None

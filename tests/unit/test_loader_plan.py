@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from csi_pmem.loader import plan
-from csi_pmem.loader.stformat import TensorInfo
+from csi_pmem.weights.stformat import TensorInfo
 
 
 @st.composite

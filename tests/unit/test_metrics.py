@@ -13,11 +13,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from csi_pmem import __version__
-from csi_pmem.backends.base import REASONS
 from csi_pmem.csi import csi_pb2
-from csi_pmem.erase import zero_fd
-from csi_pmem.metrics import BUCKETS, REASON_LISTING_FAILED, REASON_OK, Metrics
-from csi_pmem.servicers import rpc as rpc_module
+from csi_pmem.driver.backends.base import REASONS
+from csi_pmem.driver.erasing.erase import zero_fd
+from csi_pmem.driver.metrics import BUCKETS, REASON_LISTING_FAILED, REASON_OK, Metrics
+from csi_pmem.driver.servicers import rpc as rpc_module
 
 from conftest import MiB, eventually
 from inprocess import DRIVER_NAME, InProcessNode
@@ -142,7 +142,7 @@ def test_listing_failure_keeps_the_pools_as_unusable(node, metrics, monkeypatch,
 def test_erase_failure_is_counted(node, metrics, monkeypatch):
     """A failed erase counts once per attempt; the background eraser retries it, and the
     retry that succeeds counts its bytes and no failure."""
-    monkeypatch.setattr("csi_pmem.eraser.RETRY_FIRST", 0.2)
+    monkeypatch.setattr("csi_pmem.driver.erasing.eraser.RETRY_FIRST", 0.2)
     vol = node.create("e1", size=64 * MiB).volume
     calls = []
 
@@ -150,11 +150,11 @@ def test_erase_failure_is_counted(node, metrics, monkeypatch):
         calls.append(1)
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr("csi_pmem.driver.zero_fd", failing)
+    monkeypatch.setattr("csi_pmem.driver.core.zero_fd", failing)
     node.delete(vol.volume_id)  # the erase goes on (and fails) in the background
     eventually(lambda: value(metrics, "csi_pmem_erase_failures_total") >= 1,
                "the failed erase counted")
-    monkeypatch.setattr("csi_pmem.driver.zero_fd", zero_fd)
+    monkeypatch.setattr("csi_pmem.driver.core.zero_fd", zero_fd)
     eventually(lambda: value(metrics, "csi_pmem_erase_bytes_total") >= 64 * MiB,
                "the retried erase done", timeout=30)
     assert value(metrics, "csi_pmem_erase_failures_total") == len(calls)

@@ -17,10 +17,10 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from csi_pmem.driver.metrics import Metrics
+from csi_pmem.driver.servicers import rpc as rpc_module
 from csi_pmem.loader.sidecar.metrics import StatusCollector
 from csi_pmem.loader.sidecar.status import Status
-from csi_pmem.metrics import Metrics
-from csi_pmem.servicers import rpc as rpc_module
 
 from conftest import MiB
 from inprocess import DRIVER_NAME, InProcessNode

@@ -6,7 +6,7 @@ The fixtures under ``fixtures/ndctl`` are shaped after what ndctl prints
 (docs/design.md §7). ``*_fsdax.json`` add fsdax namespaces (a pfn device: ``blockdev``,
 ``sector_size``, the block device's size) and a sector one. ``sysfs_*.json`` map paths
 under ``/sys`` to file contents. No root, no ndctl, no kernel. Also covers
-:mod:`csi_pmem.udev`.
+:mod:`csi_pmem.driver.udev`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from csi_pmem.backends.ndctl import LABELLESS_FIX, NdctlBackend, classify, disabled_problem
+from csi_pmem.driver.backends.ndctl import LABELLESS_FIX, NdctlBackend, classify, disabled_problem
+from csi_pmem.driver.udev import DeviceWatcher, netlink_monitor
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
@@ -37,7 +38,6 @@ from csi_pmem.errors import (
     Unavailable,
 )
 from csi_pmem.sizes import GiB, MiB, devdax_usable
-from csi_pmem.udev import DeviceWatcher, netlink_monitor
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ndctl"
 LIST_ARGV = ["ndctl", "list", "--regions", "--namespaces", "--dimms", "--idle", "--verbose"]
@@ -461,7 +461,7 @@ def test_create_warns_when_kernel_usable_size_differs(sysroot, caplog):
     out = load("create_devdax")
     out["daxregion"]["devices"][0]["size"] = 248 * MiB
     b = backend(FakeRunner(load("list_namespaces"), create=out), sysroot("namespaces"))
-    with caplog.at_level(logging.WARNING, logger="csi_pmem.backends.ndctl"):
+    with caplog.at_level(logging.WARNING, logger="csi_pmem.driver.backends.ndctl"):
         ns = b.create("pvc-5d4c3b2a19", "region1", 256 * MiB, 2 * MiB)
     assert ns.usable_size == 248 * MiB  # the kernel's word, not the formula's
     assert "sizes.devdax_usable predicts 262144000" in caplog.text
@@ -908,7 +908,7 @@ def test_watcher_falls_back_when_netlink_is_unavailable(caplog):
 
     rec = Recorder()
     watcher = DeviceWatcher(rec, poll_interval=0.02, monitor_factory=no_libudev)
-    with caplog.at_level(logging.INFO, logger="csi_pmem.udev"):
+    with caplog.at_level(logging.INFO, logger="csi_pmem.driver.udev"):
         watcher.start()
     try:
         assert rec.seen.wait(5)
@@ -1067,9 +1067,9 @@ def test_resumed_delete_destroys_the_raw_leftover_of_a_destroy_cut_short(sysroot
     name and label but the kernel lists it as a disabled raw namespace (its dax claim is
     gone; seen in the VM tier), which is no volume namespace. The resumed delete must
     still destroy it: it used to drop the record and leak the namespace and its label."""
-    from csi_pmem.daxsock import DaxSocketServer
-    from csi_pmem.driver import Driver, DriverConfig, volume_id_for
-    from csi_pmem.state import DELETING, RegionRecord, StateStore, VolumeRecord
+    from csi_pmem.driver.core import Driver, DriverConfig, volume_id_for
+    from csi_pmem.driver.daxsock import DaxSocketServer
+    from csi_pmem.driver.state import DELETING, RegionRecord, StateStore, VolumeRecord
 
     vid = volume_id_for("victim")
     before = load("list_namespaces")

@@ -15,10 +15,10 @@ import os
 import grpc
 import pytest
 
-from csi_pmem import mounts
 from csi_pmem.daxclient import DaxSocketError, open_volume
-from csi_pmem.node import busy
-from csi_pmem.state import PUBLISHED, PUBLISHING, UNPUBLISHING
+from csi_pmem.driver.host import mounts
+from csi_pmem.driver.node import busy
+from csi_pmem.driver.state import PUBLISHED, PUBLISHING, UNPUBLISHING
 
 from conftest import MiB, Mode, block_cap, mount_cap
 from inprocess import InProcessNode, code_of, node_fixture  # noqa: F401 (the fixture)

@@ -12,7 +12,7 @@ import stat
 import grpc
 import pytest
 
-from csi_pmem.state import BLOCK, MOUNT, PUBLISHED, STAGED, STAGING
+from csi_pmem.driver.state import BLOCK, MOUNT, PUBLISHED, STAGED, STAGING
 
 from conftest import Mode, block_cap, mount_cap
 from inprocess import InProcessNode, code_of, node_fixture  # noqa: F401 (the fixture)

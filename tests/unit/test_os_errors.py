@@ -14,8 +14,8 @@ import sys
 import grpc
 import pytest
 
+from csi_pmem.driver.servicers.status import status_for
 from csi_pmem.errors import from_os_error
-from csi_pmem.servicers.status import status_for
 
 C = grpc.StatusCode
 
@@ -55,7 +55,7 @@ def test_a_command_the_driver_cannot_fork_for_says_what_is_short():
     child = r"""
 import os, resource
 from csi_pmem.errors import CsiPmemError
-from csi_pmem.runner import Runner
+from csi_pmem.driver.host.runner import Runner
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 held = []
 try:

@@ -2,9 +2,9 @@
 
 import pytest
 
-from csi_pmem import params
+from csi_pmem.driver import params
+from csi_pmem.driver.params import VolumeParams, parse
 from csi_pmem.errors import InvalidArgument
-from csi_pmem.params import VolumeParams, parse
 from csi_pmem.sizes import GiB, MiB
 
 

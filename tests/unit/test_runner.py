@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from csi_pmem import runner
+from csi_pmem.driver.host import runner
+from csi_pmem.driver.host.runner import Runner
 from csi_pmem.errors import BackendError, CommandError
-from csi_pmem.runner import Runner
 
 PY = sys.executable
 
@@ -148,9 +148,9 @@ def test_run_json_propagates_failures():
 
 
 def test_every_command_is_logged_with_its_duration(caplog):
-    with caplog.at_level(logging.DEBUG, logger="csi_pmem.runner"):
+    with caplog.at_level(logging.DEBUG, logger="csi_pmem.driver.host.runner"):
         Runner().run(py("pass"))
-    record = next(r for r in caplog.records if r.name == "csi_pmem.runner")
+    record = next(r for r in caplog.records if r.name == "csi_pmem.driver.host.runner")
     assert record.levelno == logging.DEBUG
     message = record.getMessage()
     assert PY in message

@@ -7,15 +7,10 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from csi_pmem import failpoints, state
-from csi_pmem.errors import (
-    BackendError,
-    CsiPmemError,
-    FailedPrecondition,
-    ResourceExhausted,
-)
-from csi_pmem.servicers.status import status_for
-from csi_pmem.state import (
+from csi_pmem import failpoints
+from csi_pmem.driver import state
+from csi_pmem.driver.servicers.status import status_for
+from csi_pmem.driver.state import (
     CREATING,
     READY,
     Publication,
@@ -23,6 +18,12 @@ from csi_pmem.state import (
     StateStore,
     VolumeRecord,
     write_atomic,
+)
+from csi_pmem.errors import (
+    BackendError,
+    CsiPmemError,
+    FailedPrecondition,
+    ResourceExhausted,
 )
 
 

@@ -18,14 +18,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_pmem.backends.base import PERSISTENT, VOLATILE
-from csi_pmem.backends.emulated import media_of
 from csi_pmem.csi import csi_pb2
 from csi_pmem.daxclient import map_volume, open_volume
+from csi_pmem.driver.backends.base import PERSISTENT, VOLATILE
+from csi_pmem.driver.backends.emulated import media_of
+from csi_pmem.driver.state import StateStore, VolumeRecord
 from csi_pmem.loader import NoModelError, load_numpy, stage
 from csi_pmem.loader import open_volume as open_weights
 from csi_pmem.sizes import format_bytes
-from csi_pmem.state import StateStore, VolumeRecord
 
 import loader_models as lm
 from conftest import MiB, block_cap

@@ -21,12 +21,15 @@ import grpc
 import pytest
 import yaml
 
-from csi_pmem import cli, cmdline, config, volume_output, weights_cli
+from csi_pmem import cli, cmdline
+from csi_pmem.client import output as volume_output
 from csi_pmem.cmdline import Exit
 from csi_pmem.csi import csi_pb2_grpc
-from csi_pmem.servicers.controller import ControllerServicer
-from csi_pmem.servicers.identity import IdentityServicer
-from csi_pmem.servicers.node import NodeServicer
+from csi_pmem.driver import config
+from csi_pmem.driver.servicers.controller import ControllerServicer
+from csi_pmem.driver.servicers.identity import IdentityServicer
+from csi_pmem.driver.servicers.node import NodeServicer
+from csi_pmem.loader import cli as weights_cli
 
 from inprocess import DRIVER_NAME, InProcessNode
 
@@ -172,7 +175,7 @@ def _complete(line: str, tmp_path: Path, prog: str = "csi-pmem") -> list[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), _ARGCOMPLETE="1", COMP_LINE=line,
                COMP_POINT=str(len(line)), _ARGCOMPLETE_STDOUT_FILENAME=str(out),
                _ARGCOMPLETE_IFS="\n")
-    module = "csi_pmem" if prog == "csi-pmem" else "csi_pmem.weights_cli"
+    module = "csi_pmem" if prog == "csi-pmem" else "csi_pmem.loader.cli"
     proc = subprocess.run([sys.executable, "-m", module], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

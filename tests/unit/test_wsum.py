@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from csi_pmem.loader import ChecksumError, LayoutError, layout, open_volume, verify, wsum
+from csi_pmem.loader import ChecksumError, LayoutError, open_volume, verify
 from csi_pmem.loader.api import load_numpy
+from csi_pmem.weights import layout, wsum
 
 import loader_models as lm
 
@@ -128,9 +129,9 @@ def test_an_index_entry_without_algo_is_sha256():
 
 
 def test_chunks_become_checkable_as_their_bytes_land():
-    from csi_pmem.loader import checksum
     from csi_pmem.loader.gpuverify import FilePlan, _FileProgress
-    from csi_pmem.loader.layout import FileEntry
+    from csi_pmem.weights import checksum
+    from csi_pmem.weights.layout import FileEntry
 
     size = 8 * wsum.ROW  # chunk size of the plan; the file: 4.5 chunks, 100-byte header
     entry = FileEntry("f.safetensors", 1 << 20, 4 * size + size // 2, "safetensors")
@@ -145,9 +146,9 @@ def test_chunks_become_checkable_as_their_bytes_land():
 
 
 def _one_file_plan():
-    from csi_pmem.loader import checksum
     from csi_pmem.loader.gpuverify import FilePlan
-    from csi_pmem.loader.layout import FileEntry
+    from csi_pmem.weights import checksum
+    from csi_pmem.weights.layout import FileEntry
 
     size = 8 * wsum.ROW
     entry = FileEntry("f.safetensors", 1 << 20, 2 * size, "safetensors")
@@ -160,8 +161,9 @@ def test_device_verifier_batches_shrink_towards_a_files_end(monkeypatch):
     """Whole batches while much is still to land, then a quarter of what is left, so
     that the check after the last copy covers little; every chunk is queued once, in
     order."""
-    from csi_pmem.loader import checksum, gpuverify
-    from csi_pmem.loader.layout import FileEntry
+    from csi_pmem.loader import gpuverify
+    from csi_pmem.weights import checksum
+    from csi_pmem.weights.layout import FileEntry
 
     size = 8 * wsum.ROW
     monkeypatch.setattr(gpuverify, "BATCH", 8 * size)

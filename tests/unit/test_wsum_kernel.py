@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_pmem.loader import gpuverify, kernelsum, wsum, wsum_kernel
+from csi_pmem.loader import devsums, gpuverify, kernelsum, wsum_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,6 +75,6 @@ def test_without_the_kernel_the_check_uses_torch(monkeypatch):
 
     monkeypatch.setattr(kernelsum, "KernelSums", Refused)
     monkeypatch.delenv(gpuverify.KERNEL_ENV, raising=False)
-    assert isinstance(gpuverify.device_sums("cuda:0"), wsum.TorchSums) and tried == ["cuda:0"]
+    assert isinstance(gpuverify.device_sums("cuda:0"), devsums.TorchSums) and tried == ["cuda:0"]
     monkeypatch.setenv(gpuverify.KERNEL_ENV, "torch")
-    assert isinstance(gpuverify.device_sums("cuda:1"), wsum.TorchSums) and tried == ["cuda:0"]
+    assert isinstance(gpuverify.device_sums("cuda:1"), devsums.TorchSums) and tried == ["cuda:0"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from csi_pmem.loader.errors import LoaderError
+from csi_pmem.weights.errors import LoaderError
 
 log = logging.getLogger("csi_pmem.loader.sidecar")
 

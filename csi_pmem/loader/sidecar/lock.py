@@ -15,9 +15,9 @@ import time
 from collections.abc import Iterator
 
 from csi_pmem import daxclient
-from csi_pmem.loader.errors import VolumeError
 from csi_pmem.loader.sidecar.events import event
-from csi_pmem.loader.volume import volume_image
+from csi_pmem.weights.errors import VolumeError
+from csi_pmem.weights.volume import volume_image
 
 
 def _lock_fd(path: str) -> int:

@@ -15,14 +15,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from csi_pmem.loader.errors import (
-    ChecksumError,
-    LoaderError,
-    ReadOnlyVolumeError,
-    VolumeError,
-    VolumeTooSmallError,
-)
-from csi_pmem.loader.layout import COMMITTED, read_index
 from csi_pmem.loader.sidecar.events import SourceError, event, log
 from csi_pmem.loader.sidecar.lock import volume_lock
 from csi_pmem.loader.sidecar.probes import ProbeServer
@@ -31,7 +23,15 @@ from csi_pmem.loader.sidecar.revision import fingerprint
 from csi_pmem.loader.sidecar.status import Progress, Status, classify, process_age
 from csi_pmem.loader.sidecar.verify import damage, verify_model
 from csi_pmem.loader.staging import open_for_staging, scan_source
-from csi_pmem.loader.volume import Volume, open_volume, volume_image
+from csi_pmem.weights.errors import (
+    ChecksumError,
+    LoaderError,
+    ReadOnlyVolumeError,
+    VolumeError,
+    VolumeTooSmallError,
+)
+from csi_pmem.weights.layout import COMMITTED, read_index
+from csi_pmem.weights.volume import Volume, open_volume, volume_image
 
 MAX_BACKOFF = 60.0
 

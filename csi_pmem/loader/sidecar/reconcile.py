@@ -11,17 +11,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from csi_pmem.loader import checksum
-from csi_pmem.loader.errors import ChecksumError, ReadOnlyVolumeError
-from csi_pmem.loader.layout import (
-    STAGING,
-    Index,
-    ModelEntry,
-    SourceFile,
-    read_index,
-    required_size,
-    write_index,
-)
 from csi_pmem.loader.sidecar.events import event
 from csi_pmem.loader.sidecar.space import (
     SpacePlan,
@@ -35,7 +24,18 @@ from csi_pmem.loader.sidecar.space import (
 )
 from csi_pmem.loader.sidecar.verify import damage, verify_model
 from csi_pmem.loader.staging import stage
-from csi_pmem.loader.volume import Volume
+from csi_pmem.weights import checksum
+from csi_pmem.weights.errors import ChecksumError, ReadOnlyVolumeError
+from csi_pmem.weights.layout import (
+    STAGING,
+    Index,
+    ModelEntry,
+    SourceFile,
+    read_index,
+    required_size,
+    write_index,
+)
+from csi_pmem.weights.volume import Volume
 
 
 @dataclass

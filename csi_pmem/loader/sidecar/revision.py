@@ -11,11 +11,11 @@ import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from csi_pmem.loader import checksum
-from csi_pmem.loader.layout import KIND_SAFETENSORS, SourceFile
 from csi_pmem.loader.sidecar.events import SourceError
-from csi_pmem.loader.stformat import read_header_file
 from csi_pmem.sizes import MiB
+from csi_pmem.weights import checksum
+from csi_pmem.weights.layout import KIND_SAFETENSORS, SourceFile
+from csi_pmem.weights.stformat import read_header_file
 
 SAMPLE_BYTES = 4096
 SPREAD_SAMPLES = 32

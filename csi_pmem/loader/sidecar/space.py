@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from csi_pmem.loader.errors import VolumeTooSmallError
-from csi_pmem.loader.layout import (
+from csi_pmem.loader.sidecar.events import event
+from csi_pmem.weights.errors import VolumeTooSmallError
+from csi_pmem.weights.layout import (
     COMMITTED,
     Index,
     ModelEntry,
@@ -19,8 +20,7 @@ from csi_pmem.loader.layout import (
     read_index,
     write_index,
 )
-from csi_pmem.loader.sidecar.events import event
-from csi_pmem.loader.volume import Volume, format_size
+from csi_pmem.weights.volume import Volume, format_size
 
 RETIRED_PREFIX = ".retired/"
 

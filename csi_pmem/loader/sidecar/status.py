@@ -13,7 +13,8 @@ import time
 from typing import Any
 
 from csi_pmem import daxclient, failpoints
-from csi_pmem.loader.errors import (
+from csi_pmem.loader.sidecar.events import SourceError, event
+from csi_pmem.weights.errors import (
     ChecksumError,
     LayoutError,
     LoaderError,
@@ -22,7 +23,6 @@ from csi_pmem.loader.errors import (
     VolumeError,
     VolumeTooSmallError,
 )
-from csi_pmem.loader.sidecar.events import SourceError, event
 
 # Kill the sidecar (SIGKILL) once staging has copied half the model: the
 # interrupted-staging test needs a kill that lands mid-copy every time.

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from csi_pmem.loader import checksum
-from csi_pmem.loader.layout import ModelEntry
-from csi_pmem.loader.volume import Volume
 from csi_pmem.sizes import MiB
+from csi_pmem.weights import checksum
+from csi_pmem.weights.layout import ModelEntry
+from csi_pmem.weights.volume import Volume
 
 SAMPLE_BUDGET = 256 * MiB  # what --verify-on-start sample hashes at most
 

@@ -38,10 +38,10 @@ import (
 )
 
 // SourcePrefix is the mount source of the driver's publication tmpfs
-// (csi_pmem.mounts.SOURCE_PREFIX).
+// (csi_pmem.driver.host.mounts.SOURCE_PREFIX).
 const SourcePrefix = "csi-pmem:"
 
-// MetadataFile is the file the driver writes into each publication (csi_pmem.node.devdax).
+// MetadataFile is the file the driver writes into each publication (csi_pmem.driver.node.devdax).
 const MetadataFile = "volume.json"
 
 // DeviceMode is the mode of an injected node. The device cgroup, not the mode, makes a
