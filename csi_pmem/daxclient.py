@@ -16,15 +16,14 @@ Standard library only; in particular this must not import grpc (it runs in user 
 
 from __future__ import annotations
 
-import array
-import contextlib
 import errno
 import json
 import mmap
 import os
 import socket
-from collections.abc import Iterator
 from typing import Any
+
+from csi_pmem.fdpass import close_all, recv_with_fds, unix_address
 
 SOCKET_NAME = "dax.sock"
 METADATA_FILE = "volume.json"
@@ -33,10 +32,6 @@ METADATA_FILE = "volume.json"
 # cap keeps a confused peer from making us buffer without bound.
 MAX_LINE = 64 * 1024
 
-# sun_path is 108 bytes including the terminating NUL. Kubelet publish targets
-# (/var/lib/kubelet/pods/<uid>/volumes/kubernetes.io~csi/<pv>/mount/dax.sock) are
-# typically ~140 bytes, so the node plugin routinely needs the long-path workaround below.
-_SUN_PATH_MAX = 107
 # The server sends exactly one fd; room for a few more lets us see (and close) extras
 # instead of the kernel silently dropping them.
 _MAX_FDS = 4
@@ -51,28 +46,6 @@ class DaxSocketError(Exception):
     def __init__(self, message: str, *, server_message: str | None = None):
         super().__init__(message)
         self.server_message = server_message
-
-
-@contextlib.contextmanager
-def unix_address(path: str) -> Iterator[str]:
-    """Yield an address for ``path`` that fits in sun_path, valid inside the block.
-
-    Long paths are reached through ``/proc/self/fd/<dirfd>/<name>``: resolving the
-    magic link lands in the real directory, so bind() creates the socket there and
-    connect() finds it, without chdir() (which would race with other threads).
-    """
-    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
-        yield path
-        return
-    directory, name = os.path.split(os.path.abspath(path))
-    dirfd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        short = f"/proc/self/fd/{dirfd}/{name}"
-        if len(os.fsencode(short)) > _SUN_PATH_MAX:
-            raise DaxSocketError(f"socket name {name!r} is too long for a unix socket address")
-        yield short
-    finally:
-        os.close(dirfd)
 
 
 def socket_path(volume_dir_or_socket: str) -> str:
@@ -105,28 +78,6 @@ def _connect_error(path: str, exc: OSError) -> DaxSocketError:
     return DaxSocketError(f"cannot connect to {path}: {exc}")
 
 
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
-def _recv_with_fds(sock: socket.socket) -> tuple[bytes, list[int], int]:
-    """recvmsg() collecting SCM_RIGHTS fds, close-on-exec from the moment they arrive.
-
-    Not socket.recv_fds(): in Python 3.11 it ignores its flags argument, so
-    MSG_CMSG_CLOEXEC would be dropped and a concurrent fork+exec could inherit the fd.
-    """
-    int_size = array.array("i").itemsize
-    data, ancdata, flags, _ = sock.recvmsg(
-        MAX_LINE, socket.CMSG_SPACE(_MAX_FDS * int_size), socket.MSG_CMSG_CLOEXEC)
-    fds = array.array("i")
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[:len(payload) - len(payload) % int_size])
-    return data, list(fds), flags
-
-
 def open_volume(volume_dir_or_socket: str, timeout: float = 10) -> tuple[dict[str, Any], int]:
     """Connect to a volume's ``dax.sock``; return its metadata and the device fd.
 
@@ -149,7 +100,7 @@ def open_volume(volume_dir_or_socket: str, timeout: float = 10) -> tuple[dict[st
         data = b""
         while b"\n" not in data:
             try:
-                chunk, got, flags = _recv_with_fds(sock)
+                chunk, got, flags = recv_with_fds(sock, MAX_LINE, _MAX_FDS)
             except TimeoutError as exc:
                 raise DaxSocketError(
                     f"timed out after {timeout:g} s waiting for the node plugin's reply on "
@@ -188,7 +139,7 @@ def open_volume(volume_dir_or_socket: str, timeout: float = 10) -> tuple[dict[st
         return reply, fd
     finally:
         # Anything still in the list is unexpected (extra fds, or an error after receipt).
-        _close_all(fds)
+        close_all(fds)
         sock.close()
 
 

@@ -132,6 +132,11 @@ def driver_argv(sock: Path, work: Path, pools: Path, flavour: Flavour) -> list[s
         "--emulated-regions", flavour.regions,
         "--emulated-root", str(pools),
         "--kubelet-dir", str(kubelet_dir(work)),
+        # external-provisioner retries a RESOURCE_EXHAUSTED that says space is still
+        # being erased; csi-sanity does not, and on a loaded 2-core host two 2 GiB
+        # erases (the 1 GiB class) outlast the default 5 s wait. Waiting longer keeps
+        # the judge about conformance, not about this host's memset speed.
+        "--erase-wait-seconds", "60",
     ]
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from csi_pmem import fdpass
 from csi_pmem.daxclient import DaxSocketError, map_volume, open_volume
 from csi_pmem.driver.daxsock import DaxSocketServer, pod_uid_in_cgroups
 
@@ -250,14 +251,24 @@ def test_stop_removes_socket_and_unknown_paths_are_fine(
         open_volume(sock)
 
 
-def test_stop_never_removes_a_socket_another_server_took_over(workdir: str) -> None:
-    # A surge rollout: the new node plugin serves the path while the old one still runs.
+def test_a_live_socket_is_never_taken_over_and_stop_removes_only_its_own(
+        workdir: str) -> None:
+    # A second server (a second driver on the node) must not take over a path the first
+    # one serves: the pods connected there would lose it. Once the first has stopped,
+    # the path is free and the second serves it; the first's stop never removes the
+    # second's socket.
     data = make_file(os.path.join(workdir, "data"), b"x")
     sock = os.path.join(workdir, "dax.sock")
     with DaxSocketServer() as old, DaxSocketServer() as new:
         old.serve(sock, metadata("old"), opener_for(data, os.O_RDONLY), pod_uid=None)
-        new.serve(sock, metadata("new"), opener_for(data, os.O_RDONLY), pod_uid=None)
+        with pytest.raises(fdpass.SocketInUse):
+            new.serve(sock, metadata("new"), opener_for(data, os.O_RDONLY), pod_uid=None)
+        md, fd = open_volume(sock)
+        os.close(fd)
+        assert md["volume_id"] == "old"
         old.stop(sock)
+        new.serve(sock, metadata("new"), opener_for(data, os.O_RDONLY), pod_uid=None)
+        old.stop(sock)  # not its socket any more: left alone
         old.close()
         md, fd = open_volume(sock)
         os.close(fd)

@@ -42,7 +42,7 @@ for _m in [m for m in sys.modules if _blocked(m)]:
 # the copy service's pod-side half; nothing else of csi_pmem outside csi_pmem.loader.
 LOADER_MAY_IMPORT = {"csi_pmem", "csi_pmem.errors", "csi_pmem.sizes", "csi_pmem.mountinfo",
                      "csi_pmem.logs", "csi_pmem.failpoints", "csi_pmem.daxclient",
-                     "csi_pmem.cmdline", "csi_pmem.fdpass", "csi_pmem.durable",
+                     "csi_pmem.cmdline", "csi_pmem.fdpass", "csi_pmem.durable", "csi_pmem.numa",
                      "csi_pmem.gpucopy", "csi_pmem.gpucopy.protocol", "csi_pmem.gpucopy.cuda",
                      "csi_pmem.gpucopy.copier"}
 # The weight store, imported whole: the loader and the copy service share it.

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from csi_pmem import fdpass as unixsock
+from csi_pmem import fdpass
 
 from conftest import ROOT, needs_root
 
@@ -36,7 +36,7 @@ def tgkill_workers(pid: int, sig: int) -> int:
 
 def wait_live(proc: subprocess.Popen, path: Path, log: Path) -> None:
     deadline = time.monotonic() + 60
-    while unixsock.socket_state(str(path)) != unixsock.LIVE:
+    while fdpass.socket_state(str(path)) != fdpass.LIVE:
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
 
@@ -86,7 +86,7 @@ def test_a_second_gpu_copy_service_exits_2_and_leaves_the_first_alone(tmp_path):
                                 capture_output=True, text=True, timeout=60)
         assert second.returncode == 2, second.stderr
         assert "another copy service listens on it" in second.stderr
-        assert unixsock.socket_state(str(control)) == unixsock.LIVE
+        assert fdpass.socket_state(str(control)) == fdpass.LIVE
         assert first.poll() is None
     finally:
         first.send_signal(signal.SIGTERM)

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_pmem import daxclient
-from csi_pmem import fdpass as unixsock
+from csi_pmem import daxclient, fdpass
 from csi_pmem.csi import csi_pb2
 from csi_pmem.driver.instance import AlreadyRunning, StateDirLock
 
@@ -64,7 +63,7 @@ def gpu_copy(tmp_path):
                                  str(control), "--copier", "fake"],
                                 env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=out)
     deadline = time.monotonic() + 30
-    while unixsock.socket_state(str(control)) != unixsock.LIVE:
+    while fdpass.socket_state(str(control)) != fdpass.LIVE:
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
     yield control
@@ -80,7 +79,7 @@ def assert_first_unharmed(first: DriverProcess, target: str) -> None:
         assert os.fstat(fd).st_size >= 0 and meta["volume_id"]
     finally:
         os.close(fd)
-    assert unixsock.socket_state(os.path.join(target, "gpu.sock")) == unixsock.LIVE
+    assert fdpass.socket_state(os.path.join(target, "gpu.sock")) == fdpass.LIVE
 
 
 def test_a_second_driver_on_the_state_dir_exits_2_and_the_first_keeps_serving(
@@ -146,7 +145,7 @@ def test_a_stale_endpoint_of_a_killed_driver_is_replaced(driver_factory):
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(d.socket))
     stale.close()  # the file stays, nobody listens: what a SIGKILL leaves
-    assert unixsock.socket_state(str(d.socket)) == unixsock.STALE
+    assert fdpass.socket_state(str(d.socket)) == fdpass.STALE
     d.start()
     d.identity.Probe(csi_pb2.ProbeRequest(), timeout=10)
 
@@ -165,13 +164,13 @@ def test_claim_leaves_live_sockets_and_other_files_alone(tmp_path):
     live.bind(str(tmp_path / "live.sock"))
     live.listen(1)
     try:
-        with pytest.raises(unixsock.SocketInUse):
-            unixsock.claim(str(tmp_path / "live.sock"))
+        with pytest.raises(fdpass.SocketInUse):
+            fdpass.claim(str(tmp_path / "live.sock"))
         assert (tmp_path / "live.sock").exists()
     finally:
         live.close()
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError):
-        unixsock.claim(str(tmp_path / "file"))
+        fdpass.claim(str(tmp_path / "file"))
     assert (tmp_path / "file").read_text() == "x"
-    unixsock.claim(str(tmp_path / "absent.sock"))  # nothing there: nothing to do
+    fdpass.claim(str(tmp_path / "absent.sock"))  # nothing there: nothing to do

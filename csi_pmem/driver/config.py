@@ -131,6 +131,24 @@ class ServeConfig:
     emulated_media: str = "auto"
 
 
+@dataclass(frozen=True)
+class DriverConfig:
+    """What the core (:class:`csi_pmem.driver.core.Driver`) is told, made from
+    :class:`ServeConfig` by the server; tests and benchmarks make it directly."""
+
+    driver_name: str
+    node_id: str
+    kubelet_dir: str
+    erase_threads: int | None = None
+    erase_verify: str = "sampled"  # csi_pmem.driver.erasing.erase: full, sampled or off
+    erase_workers: int = 2       # background erase jobs at a time
+    scrub: bool = True           # scrub dirty regions in the background
+    erase_wait: float = 5.0      # how long CreateVolume waits for space being erased
+    delete_wait: float = 1.0     # how long DeleteVolume waits for its background erase
+    device_node: bool = False    # volume.json names the device node (the NRI plugin's)
+
+
+
 def env_name(key: str) -> str:
     return "CSI_PMEM_" + key.upper()
 

@@ -17,34 +17,15 @@ them together: half-created volumes are rolled back, half-deleted ones are finis
 published volumes get their sockets served again, and namespaces that look like ours
 but have no record are reported, never destroyed.
 
-Erasing (docs/design.md §6.9): DeleteVolume with ``eraseOnDelete`` queues the erase on
-the background eraser (:mod:`csi_pmem.driver.erasing.eraser`) and returns; the namespace is
-destroyed
-once its erase is verified, so its space shows as free only then. Which regions' free
-space is known to be zeros lives in the clean-space ledger
-(:mod:`csi_pmem.driver.erasing.cleanspace`):
-CreateVolume zeroes only in dirty regions, and scrubs (:mod:`csi_pmem.driver.erasing.scrub`) make
-them
-clean again.
-
-Volatile pools (``Pool.media``, docs/media.md): a volume outlives its pods, not its node.
-When a READY volume's namespace is gone from a volatile pool (the node restarted, the
-tmpfs of an emulated pool was mounted again, a region was created again), start-up and
-NodePublish/NodeStageVolume carve it again under the same id at its recorded size,
-pool and align (:meth:`Driver._recreate`), zero it through the same path as a create in
-a dirty region, and only then serve it. The volume's condition says its contents were
-lost and when (``VolumeRecord.contents_lost_at``); a staged model is simply absent, so
-the staging sidecar stages it again. Where it cannot be carved (the pool is gone or
-full) it stays abnormal with that reason and is retried at the next start or publish.
-On persistent pools a lost namespace is only ever reported.
+Deleting and erasing live in :mod:`csi_pmem.driver.deletion`, the return of volumes
+lost from volatile pools in :mod:`csi_pmem.driver.recovery`: the same class, cut by
+job.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -52,9 +33,10 @@ from dataclasses import dataclass, replace
 
 from csi_pmem import failpoints
 from csi_pmem.driver.backends.base import Backend, Namespace, Pool
+from csi_pmem.driver.config import DriverConfig
 from csi_pmem.driver.daxsock import DaxSocketServer
+from csi_pmem.driver.deletion import Deletion
 from csi_pmem.driver.erasing.cleanspace import CleanSpace
-from csi_pmem.driver.erasing.erase import SAMPLED, EraseCancelled, zero_fd
 from csi_pmem.driver.erasing.eraser import DELETE, STOP_TIMEOUT, EraseQueue
 from csi_pmem.driver.erasing.scrub import Scrubber
 from csi_pmem.driver.host.filesystems import Usage
@@ -65,6 +47,7 @@ from csi_pmem.driver.node.access import Access
 from csi_pmem.driver.node.devdax import DevdaxNode
 from csi_pmem.driver.node.fsdax import FsdaxNode
 from csi_pmem.driver.params import DEVDAX, FSDAX, VolumeParams
+from csi_pmem.driver.recovery import VolatileRecovery
 from csi_pmem.driver.state import (
     CREATING,
     DELETING,
@@ -72,12 +55,12 @@ from csi_pmem.driver.state import (
     UNPUBLISHING,
     StateStore,
     VolumeRecord,
+    is_volume_id,
+    volume_id_for,
 )
 from csi_pmem.errors import (
-    Aborted,
     AlreadyExists,
     BackendError,
-    CsiPmemError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -98,7 +81,6 @@ from csi_pmem.sizes import (
 
 log = logging.getLogger(__name__)
 
-VOLUME_ID_PREFIX = "pmem-"
 MAX_NAME_BYTES = 128
 PATH_MAX, NAME_MAX = 4096, 255  # Linux limits, in bytes (PATH_MAX counts the NUL)
 
@@ -116,34 +98,9 @@ def promised_size(usable: int, limit: int, align: int) -> int:
     return min(usable, round_down(limit, align))
 
 
-def volume_id_for(name: str) -> str:
-    """Deterministic id (37 chars, a valid namespace alt-name) for a CSI volume name."""
-    return VOLUME_ID_PREFIX + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
 def utc_stamp(when: float) -> str:
     """``when`` (Unix time) as an RFC 3339 UTC time, as Kubernetes prints times."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
-
-
-def is_volume_id(text: str) -> bool:
-    rest = text[len(VOLUME_ID_PREFIX):]
-    return (text.startswith(VOLUME_ID_PREFIX) and len(rest) == 32
-            and all(c in "0123456789abcdef" for c in rest))
-
-
-@dataclass(frozen=True)
-class DriverConfig:
-    driver_name: str
-    node_id: str
-    kubelet_dir: str
-    erase_threads: int | None = None
-    erase_verify: str = SAMPLED  # csi_pmem.driver.erasing.erase: full, sampled or off
-    erase_workers: int = 2       # background erase jobs at a time
-    scrub: bool = True           # scrub dirty regions in the background
-    erase_wait: float = 5.0      # how long CreateVolume waits for space being erased
-    delete_wait: float = 1.0     # how long DeleteVolume waits for its background erase
-    device_node: bool = False    # volume.json names the device node (the NRI plugin's)
 
 
 @dataclass(frozen=True)
@@ -158,7 +115,7 @@ class VolumeCondition:
     message: str
 
 
-class Driver:
+class Driver(Deletion, VolatileRecovery):
     """Owns the back end, the state store, the dax socket server and the locks."""
 
     def __init__(self, config: DriverConfig, backend: Backend, store: StateStore,
@@ -386,168 +343,6 @@ class Driver:
                 f"volume {name!r} already exists with different properties ("
                 + "; ".join(problems) + "); use another name or delete it first")
 
-    # ------------------------------------------------------------------ delete
-    def delete_volume(self, vid: str) -> None:
-        if not is_volume_id(vid):
-            return  # not one of ours: nothing to delete (DeleteVolume is idempotent)
-        with self.inflight.hold(vid, "DeleteVolume"):
-            rec = self.store.get(vid)
-            if rec is None:
-                if self.backend.get(vid) is not None:
-                    raise FailedPrecondition(
-                        f"namespace {vid} exists but has no state record on node "
-                        f"{self.config.node_id}; it is left alone, inspect it by hand")
-                return
-            if rec.state == DELETING:
-                self._continue_delete(rec)  # deleted already; the erase may still run
-                self.eraser.wait(vid, self.config.delete_wait)
-                return
-            if rec.publications or rec.stages:
-                where = sorted(rec.publications) or sorted(rec.stages)
-                raise FailedPrecondition(
-                    f"volume {vid} is still {'published' if rec.publications else 'staged'} "
-                    f"at {', '.join(where)}; unpublish and unstage it (delete the pods using "
-                    "it) first")
-            self._check_not_in_use(rec)
-            if self.gpu_copy is not None and rec.device_mode != FSDAX:
-                self.gpu_copy.release(vid)  # its pins would keep the namespace busy
-            rec.state = DELETING
-            self.store.put(rec)
-            failpoints.hit(failpoints.DELETE_AFTER_RECORD)
-            self._continue_delete(rec)
-            # A small erase is over within moments: then the space is free when the call
-            # returns. A huge one goes on in the background after this bounded wait.
-            self.eraser.wait(vid, self.config.delete_wait)
-
-    def _check_not_in_use(self, rec: VolumeRecord) -> None:
-        """An fsdax device mounted outside the driver (by hand, or a mount whose record
-        was lost) refuses an exclusive open: say so before the volume starts deleting."""
-        ns = self.backend.get(rec.id)
-        if ns is not None and ns.mode == FSDAX:
-            os.close(self.backend.open_device(ns, readonly=True, exclusive=True))
-
-    @staticmethod
-    def _erases(rec: VolumeRecord) -> bool:
-        return rec.params.get("eraseOnDelete", "true") == "true"
-
-    def _continue_delete(self, rec: VolumeRecord, resumed: bool = False) -> None:
-        """After the DELETING record: queue the erase (its job destroys the namespace
-        when the erase is verified), or destroy now when there is nothing to erase.
-
-        A delete resumed at start-up always goes through the queue, erase or not: the
-        queue retries a failed job, and nothing else would (the CO got its answer long
-        ago), so a transient ndctl failure at start-up must not strand the volume."""
-        def finish(cancel: threading.Event | None = None) -> None:
-            self._finish_delete(rec, cancel)
-            if resumed:
-                log.warning("finished interrupted deletion of %s (%s)", rec.id, rec.name)
-
-        if resumed or self.eraser.get(rec.id) is not None or (
-                self._erases(rec) and not rec.erased and self.backend.get(rec.id) is not None):
-            self.eraser.submit(rec.id, DELETE, rec.pool, rec.size, finish)
-        else:
-            finish()
-
-    def _finish_delete(self, rec: VolumeRecord,
-                       cancel: threading.Event | None = None) -> None:
-        ns = self.backend.get(rec.id)
-        erase = self._erases(rec)
-        if ns is not None and erase and not rec.erased:
-            self._erase(ns, cancel)
-            # Write-ahead for the destroy: a stop or crash from here on resumes with the
-            # destroy alone (csi_pmem.driver.state.VolumeRecord.erased).
-            rec.erased = True
-            self.store.put(rec)
-        failpoints.hit(failpoints.DELETE_AFTER_ERASE)
-        if ns is not None:
-            with self.node_lock:
-                if erase:
-                    self.ledger.expect_freed(ns.pool, ns.size)
-                else:
-                    # Write-ahead: dirty before the unerased bytes become free space.
-                    self.ledger.mark_dirty(ns.pool, f"volume {rec.id} ({rec.name}) was "
-                                           "deleted without an erase (eraseOnDelete: false)")
-                    failpoints.hit(failpoints.DELETE_AFTER_DIRTY)
-                self.backend.destroy(rec.id)
-        else:
-            self._destroy_leftover(rec, erase)
-        failpoints.hit(failpoints.DELETE_AFTER_DESTROY)
-        self.store.delete(rec.id)
-        log.info("deleted volume %s (%s)", rec.id, rec.name)
-        if ns is not None and not erase:
-            # A scrub running now may be past this space already: it runs once more.
-            self.scrubber.schedule(ns.pool, rerun=True)
-
-    def _destroy_leftover(self, rec: VolumeRecord, erase: bool) -> None:
-        """No volume namespace of ``rec`` is listed, but a destroy cut short after
-        ndctl's disable-namespace leaves one that the kernel then lists as a disabled
-        raw namespace with the volume's name, holding its label slot and its space. The
-        back end's destroy removes it (and does nothing if there is none). The ledger
-        is told first: an erased one keeps the region clean, any other makes it dirty."""
-        with self.node_lock:
-            if erase and rec.erased:
-                self.ledger.expect_freed(rec.pool, rec.size)
-            else:
-                self.ledger.mark_dirty(rec.pool, f"volume {rec.id} ({rec.name}) left a "
-                                       "namespace that was not erased")
-            self.backend.destroy(rec.id)
-
-    def _erase(self, ns: Namespace, cancel: threading.Event | None = None) -> None:
-        from csi_pmem.loader.numa import node_cpus  # the loader's, imported when needed
-
-        try:
-            fd = self.backend.open_device(ns, readonly=False, exclusive=True)
-            try:
-                st = os.fstat(fd)
-                # A regular file (the emulated back end) is handed to the pod whole, so
-                # all of it is erased, not just the usable size.
-                length = st.st_size if stat.S_ISREG(st.st_mode) else ns.usable_size
-                result = zero_fd(fd, length, threads=self.config.erase_threads,
-                                 verify=self.config.erase_verify,
-                                 cpus=node_cpus(ns.numa_node), cancel=cancel)
-            finally:
-                os.close(fd)
-        except EraseCancelled:
-            raise  # a scrub or erase given up on purpose, not a failure
-        except Exception:
-            self.on_erase_error()
-            raise
-        self.on_erase(result.bytes, result.seconds)
-        log.info("erased %s: %s in %.3f s (%.2f GB/s, %d threads, %s, verify %s%s)",
-                 ns.name, format_bytes(result.bytes), result.seconds,
-                 result.bytes / max(result.seconds, 1e-9) / 1e9, result.threads,
-                 result.method, result.verify, ", persisted" if result.persisted else "")
-
-    def _finish_pending(self, rec: VolumeRecord, wait: bool = True) -> None:
-        """Complete what a crash interrupted: roll back a create, finish a delete.
-
-        A deleted volume's erase runs in the background; with ``wait`` (a CreateVolume
-        of the same name) this waits up to ``erase_wait`` seconds for it, then says
-        ABORTED: the name is free again only once the old namespace is gone.
-        """
-        if rec.state == CREATING:
-            ns = self.backend.get(rec.id)
-            with self.node_lock:
-                if ns is not None:
-                    self.ledger.expect_freed(ns.pool, ns.size)  # never handed out
-                # Also without a listed volume: a create killed inside ndctl can leave a
-                # raw namespace with the name, which the destroy removes (its freed
-                # space then makes the region dirty, the safe side).
-                self.backend.destroy(rec.id)
-            self.store.delete(rec.id)
-            log.warning("rolled back interrupted creation of %s (%s)", rec.id, rec.name)
-        elif rec.state == DELETING:
-            if not wait:
-                log.warning("resuming interrupted deletion of %s (%s)", rec.id, rec.name)
-            self._continue_delete(rec, resumed=not wait)
-            if wait and not self.eraser.wait(rec.id, self.config.erase_wait):
-                raise Aborted(
-                    f"volume {rec.name!r} was deleted and its {format_bytes(rec.size)} are "
-                    "still being erased; a new volume of that name can be made when the "
-                    "erase is done: retry shortly")
-            if self.store.get(rec.id) is None:
-                log.info("finished deletion of %s (%s)", rec.id, rec.name)
-
     # ------------------------------------------------------------------ queries
     def get(self, vid: str) -> VolumeRecord:
         rec = self.store.get(vid) if is_volume_id(vid) else None
@@ -715,141 +510,6 @@ class Driver:
             log.warning("namespace %s looks like a csi-pmem volume but has no record on this "
                         "node; it is not touched (delete it by hand if it is not needed)", name)
         self.scrubber.schedule_dirty()
-
-    # ------------------------------------------------------------------ volatile pools
-    def _pool_of(self, rec: VolumeRecord) -> Pool | None:
-        return next((p for p in self.backend.pools() if p.name == rec.pool), None)
-
-    def _reconcile_lost(self, rec: VolumeRecord,
-                        ns: Namespace | None) -> tuple[VolumeRecord, Namespace] | None:
-        """At start-up: carve a lost volume of a volatile pool again (or finish a carve a
-        crash cut short); report any other lost volume. The new record and namespace,
-        or None."""
-        pool = self._pool_of(rec)
-        if ns is None and (pool is None or not pool.volatile):
-            if pool is None:
-                self._unrecoverable[rec.id] = self._pool_gone(rec)
-            log.error("volume %s (%s) has a record but no namespace%s: reported as "
-                      "abnormal, record kept", rec.id, rec.name,
-                      "" if pool is not None else f", and its pool {rec.pool} is gone")
-            return None
-        try:
-            rec = self._recover(rec, ns)
-        except CsiPmemError as exc:
-            log.error("volume %s (%s) stays abnormal: %s", rec.id, rec.name, exc)
-            return None
-        found = self.backend.get(rec.id)
-        return None if found is None else (rec, found)
-
-    def _restore_if_lost(self, rec: VolumeRecord) -> VolumeRecord:
-        """Before a publish or stage: a lost volume of a volatile pool is carved again
-        (FAILED_PRECONDITION saying why when it cannot be); other volumes as they are."""
-        ns = self.backend.get(rec.id)
-        if ns is not None and not rec.recreating:
-            return rec
-        pool = self._pool_of(rec)
-        if pool is None:
-            self._unrecoverable[rec.id] = self._pool_gone(rec)
-            raise FailedPrecondition(self._unrecoverable[rec.id])
-        if not pool.volatile:
-            return rec  # persistent: reported (abnormal), never carved again
-        return self._recover(rec, ns)
-
-    def _pool_gone(self, rec: VolumeRecord) -> str:
-        have = ", ".join(sorted(p.name for p in self.backend.pools())) or "none"
-        return (f"the namespace of volume {rec.id} has disappeared, and its pool "
-                f"{rec.pool} (NUMA node {rec.numa_node}) is gone from this node too (its "
-                f"pools: {have}); it stays abnormal until {rec.pool} is back (retried at "
-                "every publish and driver start), or delete the volume")
-
-    def _recover(self, rec: VolumeRecord, ns: Namespace | None) -> VolumeRecord:
-        """:meth:`_recreate`, remembering why it failed for the volume's condition."""
-        try:
-            rec = self._recreate(rec, ns)
-        except CsiPmemError as exc:
-            self._unrecoverable[rec.id] = str(exc)
-            raise
-        except Exception as exc:
-            self._unrecoverable[rec.id] = (f"volume {rec.id} lost its contents and could "
-                                           f"not be carved again: {exc}")
-            raise
-        self._unrecoverable.pop(rec.id, None)
-        return rec
-
-    def _recreate(self, rec: VolumeRecord, ns: Namespace | None) -> VolumeRecord:
-        """Carve ``rec`` again in its volatile pool under the same id, at its recorded
-        size, align and mode; zero it before anyone can map it; then count and log it.
-
-        After a restart the memory may hold another tenant's bytes: the pool is marked
-        dirty (the driver did not free that space) and the new namespace is zeroed
-        exactly as CreateVolume zeroes one from a dirty region, which back ends whose
-        new namespaces read as zeros (fresh emulated files) skip. ``recreating`` is
-        written first: a crash before the zeroing is done makes the next start zero it.
-        Called with the volume's in-flight slot held, or at start-up.
-        """
-        where = f"{rec.pool} (NUMA node {rec.numa_node})"
-        with self.scrubber.creating():  # a scrub gives its space back first
-            with self.node_lock:
-                pool = self._pool_of(rec)
-                if pool is None:
-                    raise FailedPrecondition(self._pool_gone(rec))
-                problem = pool.problem_for(rec.device_mode)
-                if problem is None and pool.numa_node != rec.numa_node:
-                    problem = (f"it is on NUMA node {pool.numa_node} now, the volume was "
-                               f"on {rec.numa_node}")
-                if problem is not None:
-                    raise FailedPrecondition(
-                        f"volume {rec.id} lost its contents and cannot be carved again in "
-                        f"pool {rec.pool}: {problem}; retried at every publish and driver "
-                        "start")
-                ns = ns or self.backend.get(rec.id)
-                if ns is not None:
-                    # A carve that a crash (or a failed erase) cut short: its namespace
-                    # was never zeroed, whatever the region's record says now.
-                    zero = self.ledger.enabled
-                else:
-                    # The memory was reset behind the driver's back: nothing in the pool's
-                    # free space is known any more, so the region is dirty and the new
-                    # namespace is zeroed as any carved from a dirty region.
-                    self.ledger.mark_dirty(pool.name, f"volume {rec.id} lost its namespace "
-                                           "with the contents of volatile memory")
-                    zero = self.ledger.must_zero(pool)
-                    # A zeroed device holds no file system and no raw data to protect.
-                    intent = replace(rec, recreating=True, contents_lost_at=time.time(),
-                                     block_used=False, formatting=False)
-                    self.store.put(intent)
-                    try:
-                        ns = self.backend.create(rec.id, pool.name, rec.size, rec.align,
-                                                 mode=rec.device_mode)
-                    except ResourceExhausted as exc:
-                        self.store.put(rec)  # nothing was carved: as it was
-                        raise FailedPrecondition(
-                            f"volume {rec.id} lost its contents at a node restart and "
-                            f"cannot be carved again: {exc}; free space in {where} (delete "
-                            "volumes that are not needed), the driver retries at every "
-                            "publish and start") from exc
-                    except BaseException:
-                        if self.backend.get(rec.id) is None:
-                            self.store.put(rec)
-                        raise
-                    rec = intent
-                    self.ledger.note_used(pool.name, ns.size)
-        if ns.usable_size < rec.usable_size:
-            raise BackendError(
-                f"volume {rec.id} was carved again in {where} but offers "
-                f"{describe_size(ns.usable_size)}, below its {describe_size(rec.usable_size)}")
-        if zero:
-            self._erase(ns)  # reset memory may hold another tenant's bytes
-        rec = replace(rec, recreating=False, device=ns.device, numa_node=ns.numa_node,
-                      contents_lost_at=rec.contents_lost_at or time.time())
-        self.store.put(rec)
-        self.on_recreate(pool.name)
-        log.warning("volume %s (%s): contents lost at a node restart (its volatile pool %s "
-                    "no longer held it); carved again, empty: %s in %s, device %s%s; pods "
-                    "must stage its data again", rec.id, rec.name, rec.pool,
-                    format_bytes(rec.usable_size), where, ns.device,
-                    ", zeroed" if zero else "")
-        return rec
 
     def close(self, timeout: float = STOP_TIMEOUT) -> None:
         """Stop within ``timeout`` seconds without leaving a namespace half-written.

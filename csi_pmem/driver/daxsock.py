@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
-from csi_pmem import fdpass as unixsock
-from csi_pmem.daxclient import unix_address
+from csi_pmem import fdpass
+from csi_pmem.fdpass import unix_address
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class DaxSocketServer:
             if endpoint is not None:
                 self._drop(endpoint)
                 _unlink_own_socket(endpoint)
-            elif unixsock.socket_state(path) == unixsock.STALE:
+            elif fdpass.socket_state(path) == fdpass.STALE:
                 # Left by an earlier node plugin process; a live one may own it now.
                 _unlink_socket(path)
         self._wake()
@@ -452,7 +452,7 @@ def _set_permissions(path: str, mode: int, gid: int | None) -> None:
 def _listen(path: str, mode: int, gid: int | None) -> tuple[socket.socket, tuple[int, int]]:
     # A socket left behind by an earlier node plugin process (a crash or SIGKILL skips
     # stop()) is replaced; one that a live process serves, or any other file, is not.
-    unixsock.claim(path)
+    fdpass.claim(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound = False
     try:

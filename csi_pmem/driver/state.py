@@ -21,6 +21,7 @@ removed at start-up), so the driver carries on without a restart once there is r
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from csi_pmem import failpoints
+from csi_pmem.durable import fsync_dir
 from csi_pmem.errors import CsiPmemError, FailedPrecondition, from_os_error
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,20 @@ STAGING, STAGED = "staging", "staged"
 DAX, BLOCK, MOUNT = "dax", "block", "mount"
 
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# Volume ids: the prefix and 32 hex digits of the CSI name's SHA-256, so that a retried
+# CreateVolume finds its volume and the id is a valid namespace alt-name.
+VOLUME_ID_PREFIX = "pmem-"
+
+
+def volume_id_for(name: str) -> str:
+    """Deterministic id (37 chars, a valid namespace alt-name) for a CSI volume name."""
+    return VOLUME_ID_PREFIX + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def is_volume_id(text: str) -> bool:
+    rest = text[len(VOLUME_ID_PREFIX):]
+    return (text.startswith(VOLUME_ID_PREFIX) and len(rest) == 32
+            and all(c in "0123456789abcdef" for c in rest))
 TMP_SUFFIX = ".tmp"  # write_atomic's temp files: .<name>.<random>.tmp beside it
 # What the state directory needs room for, said when it has none.
 NEEDS = ("the driver writes a small record (about 1 KiB) per volume there before every "
@@ -193,12 +209,6 @@ def _remove_tmp(tmp: Path) -> None:
         log.error("cannot remove temp file %s: %s", tmp, exc.strerror)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class StateStore:

@@ -18,7 +18,7 @@ import logging
 import socket
 from typing import Any
 
-from csi_pmem.daxclient import unix_address
+from csi_pmem.fdpass import unix_address
 from csi_pmem.gpucopy import protocol
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,6 @@ Two conversations:
 
 from __future__ import annotations
 
-import array
 import contextlib
 import json
 import os
@@ -29,6 +28,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from csi_pmem.fdpass import recv_with_fds
 
 PROTOCOL = 1
 SERVICE = "csi-pmem-gpu-copy"
@@ -174,14 +175,8 @@ class Reader:
         return doc
 
     def _recv(self) -> tuple[bytes, list[int]]:
-        size = array.array("i").itemsize
-        data, ancdata, _, _ = self.sock.recvmsg(
-            1 << 20, socket.CMSG_SPACE(MAX_FDS * size), socket.MSG_CMSG_CLOEXEC)
-        fds = array.array("i")
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[:len(payload) - len(payload) % size])
-        return data, list(fds)
+        data, fds, _ = recv_with_fds(self.sock, 1 << 20, MAX_FDS)
+        return data, fds
 
     def take_fds(self) -> list[int]:
         fds, self.fds = self.fds, []

@@ -34,13 +34,14 @@ import threading
 import time
 from typing import Any
 
-from csi_pmem import fdpass as unixsock
+from csi_pmem import fdpass
 from csi_pmem.gpucopy import protocol
 from csi_pmem.gpucopy.copier import Copier, CopyError, HostCopy
 from csi_pmem.sizes import round_up
 from csi_pmem.weights.errors import LoaderError
 from csi_pmem.weights.layout import index_heads, read_index
-from csi_pmem.weights.volume import Volume, buffer_address
+from csi_pmem.weights.mapping import buffer_address
+from csi_pmem.weights.volume import Volume
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class CopyService:
         self._stop = threading.Event()
         # A stale socket of a dead service goes; a live service's stays (a second one
         # stops here with EADDRINUSE instead of cutting the first one's pods off).
-        unixsock.claim(socket_path)
+        fdpass.claim(socket_path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(socket_path)
         os.chmod(socket_path, 0o600)

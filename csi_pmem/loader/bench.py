@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from csi_pmem.loader import plan
 from csi_pmem.loader.api import start_load
 from csi_pmem.loader.model import ModelView
-from csi_pmem.loader.numa import node_cpus
 from csi_pmem.loader.pipeline import BouncePipeline
+from csi_pmem.numa import node_cpus
+from csi_pmem.sizes import MiB
 from csi_pmem.weights import checksum
-from csi_pmem.weights.volume import MiB, buffer_address
+from csi_pmem.weights.mapping import buffer_address
 
 
 @dataclass

@@ -16,11 +16,11 @@ import time
 import pytest
 
 from csi_pmem.loader import plan
-from csi_pmem.loader.numa import node_cpus, parse_cpulist
 from csi_pmem.loader.pipeline import BouncePipeline
 from csi_pmem.loader.registered import register_pieces
+from csi_pmem.numa import node_cpus, parse_cpulist
+from csi_pmem.weights.mapping import buffer_address
 from csi_pmem.weights.stformat import TensorInfo
-from csi_pmem.weights.volume import buffer_address
 
 
 class LazyDevice:
@@ -251,7 +251,7 @@ def test_a_piece_given_back_goes_to_the_back_side():
 def test_bounce_copy_choice_is_checked(monkeypatch):
     """CSI_PMEM_BOUNCE_COPY picks the transfer; a typo is a loader error naming both
     choices, and ``torch`` never touches cuda-python."""
-    from csi_pmem.loader.gpu import _driver_copy
+    from csi_pmem.loader.bounce import _driver_copy
     from csi_pmem.weights.errors import LoaderError
 
     monkeypatch.setenv("CSI_PMEM_BOUNCE_COPY", "torch")

@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from csi_pmem.driver.backends.ndctl import LABELLESS_FIX, NdctlBackend, classify, disabled_problem
+from csi_pmem.driver.backends.ndctl import NdctlBackend
+from csi_pmem.driver.backends.ndctl_listing import LABELLESS_FIX, classify, disabled_problem
 from csi_pmem.driver.udev import DeviceWatcher, netlink_monitor
 from csi_pmem.errors import (
     AlreadyExists,

@@ -81,9 +81,6 @@ class CleanSpace:
     def is_clean(self, pool: str) -> bool:
         return not self.enabled or self.record(pool).clean
 
-    def dirty_pools(self, pools: list[Pool]) -> list[str]:
-        return [p.name for p in pools if not self.is_clean(p.name)]
-
     def known_dirty(self) -> list[str]:
         """Dirty regions among those read or written since start-up (no listing)."""
         if not self.enabled:

@@ -138,10 +138,6 @@ class EraseResult:
     persisted: bool = False
     method: str = "memset"
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
 
 def default_threads() -> int:
     """CPUs this process may run on (respects cpusets/container limits), capped."""
