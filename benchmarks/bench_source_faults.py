@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from csi_pmem.weights.volume import MADV_POPULATE_READ, buffer_address, libc
+from csi_pmem.weights.mapping import buffer_address, libc
+from csi_pmem.weights.volume import MADV_POPULATE_READ
 
 METHODS = ("memcpy", "populate+memcpy", "pread")
 

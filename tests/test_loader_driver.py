@@ -13,8 +13,9 @@ from safetensors.numpy import load_file
 
 from csi_pmem.loader import ReadOnlyVolumeError, load_numpy, open_volume, staging
 from csi_pmem.loader import cli as weights_cli
+from csi_pmem.sizes import describe_size
 from csi_pmem.weights import layout
-from csi_pmem.weights.volume import IMAGE_NAME, format_size
+from csi_pmem.weights.image import IMAGE_NAME
 
 import loader_models as lm
 from conftest import MiB, mount_cap, needs_root
@@ -116,7 +117,7 @@ def test_stage_and_load_through_an_fsdax_filesystem_volume(driver, tmp_path, cap
         err = capsys.readouterr().err
         st = os.statvfs(rw)
         assert f"no space for {image}" in err
-        assert f"has only {format_size(st.f_bavail * st.f_frsize)} free" in err
+        assert f"has only {describe_size(st.f_bavail * st.f_frsize)} free" in err
         assert os.path.getsize(image) == before
         with open_volume(rw) as v:
             assert sorted(m.name for m in layout.read_index(v).models) == ["big", "llm"]

@@ -27,8 +27,8 @@ from csi_pmem.loader import (
     start_load,
 )
 from csi_pmem.loader.gpu import AUTO, BOUNCE, HYBRID, REGISTERED, choose_path
-from csi_pmem.weights import volume as volume_mod
-from csi_pmem.weights.volume import registration_refusal, statx_dax
+from csi_pmem.weights import mapping as mapping_mod
+from csi_pmem.weights.mapping import registration_refusal, statx_dax
 
 import loader_models as lm
 
@@ -98,7 +98,7 @@ def test_a_tmpfs_or_plain_file_may_be_registered(shm):
     ("ext4", "rw,dax=always", False)])
 def test_large_page_mappings_are_recognised(shm, tmp_path, fstype, options, large):
     from csi_pmem.mountinfo import MountInfo
-    from csi_pmem.weights.volume import large_pages
+    from csi_pmem.weights.mapping import large_pages
 
     vol = lm.volume_file(shm / "vol", 4 * MiB)
     st = os.stat(vol)
@@ -171,7 +171,7 @@ def test_open_volume_records_the_refusal_and_loads_on_the_cpu(shm, tmp_path, mon
     vol = lm.staged_volume(shm / "src", shm / "vol")
     fake = lm.fake_mountinfo(tmp_path / "mountinfo",
                              [(str(shm), "xfs", "/dev/pmem1", "rw,attr2,dax=always")], vol)
-    monkeypatch.setattr(volume_mod, "MOUNTINFO", str(fake))
+    monkeypatch.setattr(mapping_mod, "MOUNTINFO", str(fake))
     with open_volume(vol) as v:
         reason = v.registration_refused_reason
         assert reason and "xfs /dev/pmem1" in reason and "dax=always" in reason

@@ -32,9 +32,11 @@ from csi_pmem.loader import (
 )
 from csi_pmem.loader import cli as weights_cli
 from csi_pmem.loader.gpu import AUTO, BOUNCE, REGISTERED, choose_path
+from csi_pmem.sizes import describe_size
+from csi_pmem.weights import image as image_mod
 from csi_pmem.weights import layout
-from csi_pmem.weights import volume as volume_mod
-from csi_pmem.weights.volume import IMAGE_NAME
+from csi_pmem.weights import mapping as mapping_mod
+from csi_pmem.weights.image import IMAGE_NAME
 
 import loader_models as lm
 
@@ -255,7 +257,7 @@ def test_a_devdax_publish_directory_never_gets_an_image(shm, capsys):
     lm.sharded_model(shm / "src")
     pub = models_dir(shm)
     (pub / "volume.json").write_text(json.dumps({"volume_id": "v1"}))
-    assert volume_mod.volume_image(pub) is None
+    assert image_mod.volume_image(pub) is None
     assert cli("stage", shm / "src", pub, "-q") == 1
     assert "dax.sock does not exist" in capsys.readouterr().err
     assert os.listdir(pub) == ["volume.json"]
@@ -271,9 +273,9 @@ def test_a_full_file_system_fails_the_stage_with_the_space_needed_and_free(shm, 
         image = fs / IMAGE_NAME
         need = planned(shm / "big")
         assert err.startswith(f"csi-pmem-weights: error: no space for {image}")
-        assert f"must be {volume_mod.format_size(need)}" in err
+        assert f"must be {describe_size(need)}" in err
         free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
-        assert f"has only {volume_mod.format_size(free)} free" in err
+        assert f"has only {describe_size(free)} free" in err
         assert "Traceback" not in err
         # Refused before the plan was written; the image keeps its (index-only) size.
         assert image.stat().st_size == layout.INDEX_AREA
@@ -310,7 +312,7 @@ def test_an_image_on_a_dax_mount_takes_the_bounce_path(shm, tmp_path, monkeypatc
     image = models / IMAGE_NAME
     fake = lm.fake_mountinfo(tmp_path / "mountinfo",
                              [(str(models), "ext4", "/dev/pmem0", "rw,dax=always")], image)
-    monkeypatch.setattr(volume_mod, "MOUNTINFO", str(fake))
+    monkeypatch.setattr(mapping_mod, "MOUNTINFO", str(fake))
     with open_volume(models) as v:
         reason = v.registration_refused_reason
         assert reason and str(image) in reason and "DAX file system" in reason

@@ -357,7 +357,7 @@ def test_a_file_on_a_dax_mount_is_never_registered(models, tmp_path, monkeypatch
     from csi_pmem.loader import registered
     from csi_pmem.loader.gpu import GpuLoader
     from csi_pmem.loader.model import open_model
-    from csi_pmem.weights import volume as volume_mod
+    from csi_pmem.weights import mapping as mapping_mod
 
     def must_not_register(self, start, end):
         raise AssertionError("a DAX file's mapping was registered")
@@ -366,7 +366,7 @@ def test_a_file_on_a_dax_mount_is_never_registered(models, tmp_path, monkeypatch
     vol = lm.staged_volume(models / "sharded", models / "v")
     fake = lm.fake_mountinfo(tmp_path / "mountinfo",
                              [(str(models), "ext4", "/dev/pmem0", "rw,dax=always")], vol)
-    monkeypatch.setattr(volume_mod, "MOUNTINFO", str(fake))
+    monkeypatch.setattr(mapping_mod, "MOUNTINFO", str(fake))
     caplog.set_level("INFO", logger="csi_pmem.loader.gpu")
     with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=2, mode=mode) as loader, \
             open_volume(vol) as v:
@@ -453,7 +453,8 @@ def test_both_bounce_copies_are_bit_exact(models, monkeypatch, copy):
     (or a missing cuda-python) falls back to."""
     if copy == "driver" and not _cuda_bindings():
         pytest.skip("needs cuda-bindings")
-    from csi_pmem.loader.gpu import GpuLoader, _DriverCopy
+    from csi_pmem.loader.bounce import _DriverCopy
+    from csi_pmem.loader.gpu import GpuLoader
 
     monkeypatch.setenv("CSI_PMEM_BOUNCE_COPY", copy)
     vol = lm.staged_volume(models / "sharded", models / "sharded.vol")
@@ -488,10 +489,9 @@ def test_the_node_copy_service_loads_bit_exact(models, tmp_path, verify):
 @node_copy
 @pytest.mark.parametrize("verify", [True, False])
 def test_a_node_copied_file_in_two_allocations_is_bit_exact(tmp_path, monkeypatch, verify):
-    """The first file's head is its own exportable allocation (gpu.NODE_HEAD, shrunk
+    """The first file's head is its own exportable allocation (nodecopy.NODE_HEAD, shrunk
     here to 4 MiB so that a 16 MiB tensor spans the cut): its copies stop at the cut,
     both parts are copied into, and the tensors are views across both."""
-    from csi_pmem.loader import gpu as gpu_mod
     from csi_pmem.loader import nodecopy
 
     made: list[list[tuple[int, int]]] = []
@@ -503,7 +503,7 @@ def test_a_node_copied_file_in_two_allocations_is_bit_exact(tmp_path, monkeypatc
             made.append(list(self.parts))
 
     monkeypatch.setattr(nodecopy, "ExportableAllocation", Recording)
-    monkeypatch.setattr(gpu_mod, "NODE_HEAD", 4 << 20)
+    monkeypatch.setattr(nodecopy, "NODE_HEAD", 4 << 20)
     lm.large_model(tmp_path / "big", 16 << 20)
     got = node_load(lm.staged_volume(tmp_path / "big", tmp_path / "v"), tmp_path, verify)
     assert made and made[0][0] == (0, 4 << 20) and len(made[0]) == 2

@@ -35,8 +35,8 @@ from csi_pmem.loader import VolumeTooSmallError, export, load_numpy, open_volume
 from csi_pmem.loader import cli as weights_cli
 from csi_pmem.loader.staging import scan_source
 from csi_pmem.weights import layout
+from csi_pmem.weights.image import IMAGE_NAME
 from csi_pmem.weights.stformat import read_header_file
-from csi_pmem.weights.volume import IMAGE_NAME
 
 import loader_models as lm
 from conftest import mount_cap, needs_root

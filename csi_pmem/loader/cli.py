@@ -39,10 +39,11 @@ from csi_pmem.cmdline import (
 from csi_pmem.cmdline import quantity as parse_size
 from csi_pmem.loader import sidecar, staging
 from csi_pmem.loader.progress import Progress, wanted
-from csi_pmem.sizes import MiB, round_up
+from csi_pmem.sizes import MiB, describe_size, round_up
 from csi_pmem.weights import errors
+from csi_pmem.weights.image import volume_image
 from csi_pmem.weights.layout import INDEX_AREA, read_index
-from csi_pmem.weights.volume import DEFAULT_ALIGN, format_size, open_volume, volume_image
+from csi_pmem.weights.volume import DEFAULT_ALIGN, open_volume
 
 EXIT_ERROR, EXIT_MISMATCH = Exit.ERROR, Exit.MISMATCH
 EXIT_CODES = (Exit.OK, Exit.ERROR, Exit.USAGE, Exit.MISMATCH, Exit.INTERRUPTED,
@@ -82,16 +83,16 @@ def cmd_stage(args: argparse.Namespace) -> int:
             staging.open_for_staging(args.volume, align=args.align, size=args.size) as vol:
         result = staging.stage(vol, args.src, name=args.name, revision=args.revision,
                                replace=args.replace, threads=args.threads, progress=bar)
-        image = f" (image {vol.image}, {format_size(vol.size)})" if vol.image else ""
+        image = f" (image {vol.image}, {describe_size(vol.size)})" if vol.image else ""
         durable = vol.persistence.detail
     m = result.model
     if result.already:
-        print(f"{m.label()} is already staged on {args.volume} ({format_size(m.size)}); "
+        print(f"{m.label()} is already staged on {args.volume} ({describe_size(m.size)}); "
               f"nothing copied{image}")
     else:
         rate = result.copied / max(result.seconds, 1e-9) / 1e9
-        print(f"staged {m.label()}: {len(m.files)} files, {format_size(m.size)} "
-              f"({format_size(result.copied)} copied, {format_size(result.reused)} reused "
+        print(f"staged {m.label()}: {len(m.files)} files, {describe_size(m.size)} "
+              f"({describe_size(result.copied)} copied, {describe_size(result.reused)} reused "
               f"after verification) in {result.seconds:.1f} s ({rate:.2f} GB/s){image}")
         print(f"persisted with {durable}")
     return 0
@@ -126,12 +127,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     used = max([INDEX_AREA] + [m.end for m in models])
     where = f"{args.volume} (image {image})" if image else args.volume
-    print(f"{where}: {format_size(size)}, align {format_size(align)}, "
-          f"{format_size(size - used)} free")
+    print(f"{where}: {describe_size(size)}, align {describe_size(align)}, "
+          f"{describe_size(size - used)} free")
     if not models:
         print("  (no model staged)")
     for m in models:
-        print(f"  {m.label()}  [{m.state}]  {len(m.files)} files, {format_size(m.size)}")
+        print(f"  {m.label()}  [{m.state}]  {len(m.files)} files, {describe_size(m.size)}")
         for f in m.files:
             state = "" if f.done else "  (not copied yet)"
             print(f"    {f.length:>14}  @{f.offset:<14} {f.name}{state}")
@@ -157,7 +158,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=1))
     else:
-        print(f"model {view.model.label()}: {format_size(view.model.size)} on {args.volume} "
+        print(f"model {view.model.label()}: {describe_size(view.model.size)} on {args.volume} "
               f"(NUMA node {vol.numa_node if vol.numa_node is not None else 'unknown'})")
         for r in results:
             print(f"  {r.name:<36} {r.gbps:8.2f} GB/s  {r.seconds * 1e3:9.2f} ms  {r.note}")

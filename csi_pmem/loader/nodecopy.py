@@ -21,12 +21,18 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
-from csi_pmem.daxclient import unix_address
+from csi_pmem.fdpass import unix_address
 from csi_pmem.gpucopy import cuda as gpucuda
 from csi_pmem.gpucopy import protocol
+from csi_pmem.loader import plan as planning
+from csi_pmem.loader.model import ModelView
+from csi_pmem.loader.registered import DIRECT_CHUNK
+from csi_pmem.loader.targets import FileTarget, _Plan, _torch, _unfinished
+from csi_pmem.sizes import MiB, describe_size
 from csi_pmem.weights.errors import LoaderError
 from csi_pmem.weights.volume import Volume
 
@@ -36,6 +42,10 @@ log = logging.getLogger(__name__)
 # no cuda-python until a driver call is made.
 
 ENV = "CSI_PMEM_GPU_COPY"
+# The first file of a node-path load goes out as a head of this size and the rest, each
+# its own exportable allocation: the copies start after making and exporting 256 MiB,
+# not a whole file, and 256 MiB (one copy, about 5 ms on the link) covers making the rest.
+NODE_HEAD = 256 * MiB
 
 
 class NodeCopyError(LoaderError):
@@ -297,3 +307,131 @@ class ExportableAllocation:
 
     def __del__(self) -> None:
         self.free()
+
+
+class NodeLoader(Protocol):
+    """What the node path reads and sets on its loader (a :class:`.gpu.GpuLoader`; this
+    module must not import that one, which imports it): the device, why the last load
+    could not use the service, and the sockets already warned about."""
+
+    device: Any
+    node_copy_refused: str | None
+    _node_warned: set[str]
+
+
+def load_node(loader: NodeLoader, view: ModelView, targets: list[FileTarget],
+              finish: Callable[[FileTarget, str], None],
+              socket_path: str) -> list[FileTarget] | None:
+    """Have the node's copy service fill exportable allocations, one per file.
+    Returns None when it did, else the targets (finished tensors left out) that
+    still need copying in-pod; says why once per socket.
+
+    One allocation per file, each sent as soon as it exists, and the first file's
+    head (:data:`NODE_HEAD`) sent before the rest of it is made: the first copies
+    start after 256 MiB of ``cuMemCreate`` and export (a few ms for 13 GB would
+    otherwise come before the first byte moves), and the rest is allocated while
+    the copy engine works.
+    """
+    torch = _torch()
+    t0 = time.monotonic()
+    try:
+        session = Session(socket_path)
+    except NodeCopyError as exc:
+        _node_fallback(loader, socket_path, exc)
+        return targets
+    log.debug("node copy: connected in %.1f ms", (time.monotonic() - t0) * 1e3)
+    # The first file's head is an allocation of its own (ExportableAllocation says
+    # why); its copies stop at the cut, so that each lands in one allocation.
+    head = NODE_HEAD if targets and targets[0].size >= 2 * NODE_HEAD else None
+    plan = _Plan(targets, lambda ps, i, seq: planning.direct_chunks(
+        ps, DIRECT_CHUNK, [], i, seq, cuts=[head] if head and i == 0 else []), finish)
+    by_target: list[list[planning.Chunk]] = [[] for _ in targets]
+    for c in plan.chunks:
+        by_target[c.target].append(c)
+    order = [c for cs in by_target for c in cs]  # the order the service reports
+    reported = [0]
+    fds: list[int] = []
+
+    def requests() -> Iterator[tuple[int, protocol.CopyRequest]]:
+        for i, target in enumerate(targets):
+            t = time.monotonic()
+            try:
+                alloc = ExportableAllocation(
+                    loader.device.index, target.size, head if i == 0 else None)
+            except Exception as exc:  # no cuda-python, an allocation error
+                raise NodeCopyError(
+                    f"cannot allocate exportable device memory ({exc}); install "
+                    "cuda-bindings in the pod to use the node's GPU copy service") \
+                    from exc
+            if session.gpus is not None and alloc.uuid not in session.gpus:
+                raise NodeCopyError(
+                    f"the node's GPU copy service cannot reach {alloc.uuid} (it sees "
+                    f"{', '.join(session.gpus) or 'no GPU'})")
+            chunks = by_target[i]
+            for part, (off, n) in enumerate(alloc.parts):
+                try:
+                    alloc.map_part(part)  # part 0 came with the allocation
+                    t_alloc = time.monotonic()
+                    fds.append(alloc.export_fd(part))
+                except Exception as exc:
+                    raise NodeCopyError(
+                        f"cannot allocate or export device memory for the node's GPU "
+                        f"copy service ({exc})") from exc
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("node copy: %s part %d (%s) allocated in %.2f ms, "
+                              "exported in %.2f ms, sent at %.1f ms", target.name, part,
+                              describe_size(n), (t_alloc - t) * 1e3,
+                              (time.monotonic() - t_alloc) * 1e3,
+                              (time.monotonic() - t0) * 1e3)
+                # The request goes out first, so the copy engine starts while this
+                # process makes the next part and the tensor views (no progress is
+                # read before every request is sent, so no tensor is reported before
+                # it has its view).
+                mine = [c for c in chunks if off <= c.dst < off + n]
+                if any(c.dst + c.nbytes > off + n for c in mine):
+                    raise LoaderError(f"a copy of {target.name} crosses the end of "
+                                      "its device allocation (a planning bug)")
+                yield fds[-1], protocol.CopyRequest(alloc.uuid, n, tuple(
+                    protocol.Copy(c.pieces[0].src, c.dst - off, c.nbytes) for c in mine))
+                t = time.monotonic()
+                # Sent: the message holds the allocation now. Closed here, while
+                # the copies run: closing the fds after the last copy took 1.2-1.5
+                # ms of the load's end.
+                os.close(fds.pop())
+            # Every part is mapped: the tensors keep the allocation alive from now on.
+            t = time.monotonic()
+            target.attach(torch.as_tensor(alloc, device=loader.device)[:target.size])
+            plan.ready(i)
+            log.debug("node copy: %s views made in %.2f ms", target.name,
+                      (time.monotonic() - t) * 1e3)
+
+    def progress(k: int) -> None:
+        if not reported[0]:
+            log.debug("node copy: first copies done at %.1f ms",
+                      (time.monotonic() - t0) * 1e3)
+        for c in order[reported[0]:k]:
+            plan.done(c)
+        reported[0] = k
+
+    try:
+        report = session.copy(requests(), progress)
+        log.debug("node copy: %d request(s), %.1f ms in all (the service: %.1f ms)",
+                  len(targets), (time.monotonic() - t0) * 1e3,
+                  float(report.get("seconds", 0)) * 1e3)
+    except NodeCopyError as exc:
+        _node_fallback(loader, socket_path, exc)
+        return _unfinished(targets)
+    finally:
+        t = time.monotonic()
+        session.close()
+        for fd in fds:  # what a failed request left
+            os.close(fd)
+        log.debug("node copy: connection closed in %.2f ms", (time.monotonic() - t) * 1e3)
+    loader.node_copy_refused = None
+    return None
+
+def _node_fallback(loader: NodeLoader, socket_path: str, exc: NodeCopyError) -> None:
+    loader.node_copy_refused = str(exc)
+    level = logging.INFO if socket_path in loader._node_warned else logging.WARNING
+    loader._node_warned.add(socket_path)
+    log.log(level, "%s; loading in-pod instead", exc)

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from csi_pmem.loader import plan as planning
-from csi_pmem.weights.volume import MiB, Volume, format_size
+from csi_pmem.sizes import MiB, describe_size
+from csi_pmem.weights.volume import Volume
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +86,11 @@ class Registration:
                                                self.flags)
         except Exception as exc:  # a binding may raise rather than return the error
             raise RegistrationError(
-                f"cudaHostRegister of {format_size(end - start)} at offset {start} of "
+                f"cudaHostRegister of {describe_size(end - start)} at offset {start} of "
                 f"{self.volume.source} raised {type(exc).__name__}: {exc}") from exc
         if int(err) != 0:
             raise RegistrationError(
-                f"cudaHostRegister of {format_size(end - start)} at offset {start} of "
+                f"cudaHostRegister of {describe_size(end - start)} at offset {start} of "
                 f"{self.volume.source} failed: {_cuda_error(self.cudart, err)}")
         self.pieces[start] = end
         self.seconds += time.monotonic() - t
@@ -143,7 +144,7 @@ def copy_direct(registration: Registration, pieces: list[tuple[int, int]],
                 if not pending and not registration.pieces:
                     raise
                 log.warning("%s; copying this %s from pageable memory (about 8 GB/s "
-                            "instead of the link speed)", exc, format_size(end - start))
+                            "instead of the link speed)", exc, describe_size(end - start))
             queue_copies(by_piece[i], targets, src, stream, pending)
             # Report what already landed without blocking the queueing.
             report_landed(pending, on_done)

@@ -13,7 +13,7 @@ it): one copy, no intermediate buffer, and several chunks in flight on a thread 
 because ``preadv`` and hashlib release the GIL.
 
 A directory volume (an fsdax file system volume: no ``dax.sock``) is the image file
-``csi-pmem-weights.img`` inside it (:data:`~csi_pmem.weights.volume.IMAGE_NAME`).
+``csi-pmem-weights.img`` inside it (:data:`~csi_pmem.weights.image.IMAGE_NAME`).
 :func:`open_for_staging` creates it, and :func:`stage` grows it to
 :func:`~csi_pmem.weights.layout.required_size` (the index area, the committed models
 kept, then the new model's files at their aligned offsets, rounded up to the align)
@@ -31,7 +31,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from csi_pmem import failpoints
-from csi_pmem.sizes import round_up
+from csi_pmem.sizes import describe_size, round_up
 from csi_pmem.weights import checksum
 from csi_pmem.weights.errors import (
     ChecksumError,
@@ -39,6 +39,7 @@ from csi_pmem.weights.errors import (
     LoaderError,
     ReadOnlyVolumeError,
 )
+from csi_pmem.weights.image import prepare_image, volume_image
 from csi_pmem.weights.layout import (
     COMMITTED,
     INDEX_AREA,
@@ -56,14 +57,7 @@ from csi_pmem.weights.layout import (
     write_index,
 )
 from csi_pmem.weights.stformat import read_header_file
-from csi_pmem.weights.volume import (
-    DEFAULT_ALIGN,
-    Volume,
-    format_size,
-    open_volume,
-    prepare_image,
-    volume_image,
-)
+from csi_pmem.weights.volume import DEFAULT_ALIGN, Volume, open_volume
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +212,7 @@ class _Copier:
                               "again once the source is complete")
         f.chunks, f.done = digests, True
         write_index(self.volume, self.index)
-        log.info("staged %s (%s)", f.name, format_size(f.length))
+        log.info("staged %s (%s)", f.name, describe_size(f.length))
 
 
 def open_for_staging(path: str | os.PathLike[str], *, align: int | None = None,

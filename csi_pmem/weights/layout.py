@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from csi_pmem import failpoints
-from csi_pmem.sizes import MiB, round_up
+from csi_pmem.sizes import MiB, describe_size, round_up
 from csi_pmem.weights.errors import LayoutError, NoModelError, VolumeTooSmallError
-from csi_pmem.weights.volume import Volume, format_size
+from csi_pmem.weights.volume import Volume
 
 MAGIC = b"CSIPMEMW"
 VERSION = 1
@@ -278,7 +278,7 @@ def validate(index: Index, volume_size: int) -> None:
             align = index.align if f.kind == KIND_SAFETENSORS else AUX_ALIGN
             if f.offset % align:
                 raise LayoutError(f"index: {where} starts at offset {f.offset}, not a "
-                                  f"multiple of {format_size(align)} (misaligned)")
+                                  f"multiple of {describe_size(align)} (misaligned)")
             if f.offset < INDEX_AREA or f.end > volume_size:
                 raise LayoutError(f"index: {where} spans [{f.offset}, {f.end}), outside "
                                   f"the data area [{INDEX_AREA}, {volume_size})")
@@ -346,8 +346,8 @@ def _decode_slot(raw: memoryview, slot: int) -> tuple[int, dict[str, Any]] | str
 def read_index(volume: Volume) -> Index | None:
     """The newest valid index generation; None when the volume was never staged."""
     if volume.size < INDEX_AREA:
-        raise LayoutError(f"{volume.source}: volume of {format_size(volume.size)} is "
-                          f"smaller than the {format_size(INDEX_AREA)} index area")
+        raise LayoutError(f"{volume.source}: volume of {describe_size(volume.size)} is "
+                          f"smaller than the {describe_size(INDEX_AREA)} index area")
     problems: list[str] = []
     best: tuple[int, dict[str, Any]] | None = None
     for slot in range(SLOTS):
@@ -460,11 +460,11 @@ def allocate(index: Index, name: str, revision: str, sources: list[SourceFile],
         data = sum(s.size for s in sources)
         alone = required_size(Index(align=index.align), sources)
         raise VolumeTooSmallError(
-            f"model {name} does not fit: it needs {format_size(needed)} on this volume "
-            f"({len(sources)} files, {format_size(data)} of data plus alignment to "
-            f"{format_size(index.align)}), but only {format_size(available)} of the "
-            f"volume's {format_size(volume_size)} are free. Use a volume of at least "
-            f"{format_size(alone)} for this model alone",
+            f"model {name} does not fit: it needs {describe_size(needed)} on this volume "
+            f"({len(sources)} files, {describe_size(data)} of data plus alignment to "
+            f"{describe_size(index.align)}), but only {describe_size(available)} of the "
+            f"volume's {describe_size(volume_size)} are free. Use a volume of at least "
+            f"{describe_size(alone)} for this model alone",
             needed=needed, available=available)
     return ModelEntry(name=name, revision=revision, state=STAGING, files=files,
                       updated=time.time())

@@ -13,20 +13,13 @@ volume is by convention the one image file :data:`IMAGE_NAME` inside it. Read-on
 volumes are mapped PROT_READ, so a stray store faults instead of corrupting staged
 weights.
 
-An image file is the one volume that can grow: staging sizes it for the model
-(:meth:`Volume.grow`, with ``posix_fallocate`` so a full file system is an error at
-stage time, not a SIGBUS in the middle of a copy) and never shrinks it (pods may map it).
-
-It also decides, once per open, whether the mapping may ever be registered with CUDA
-(:func:`registration_refusal`): the kernel refuses the long-term pins
-``cudaHostRegister`` needs on fsdax files, and a block device's mapping is page cache
-(docs/design.md §1, §3). Such volumes carry ``registration_refused_reason`` and the GPU
-loader goes straight to bounce buffers instead of trying and failing.
+An image file is the one volume that can grow (:meth:`Volume.grow`; :mod:`.image`).
+Once per open it also decides, with :mod:`.mapping`'s probes, whether the mapping may
+ever be registered with CUDA (``registration_refused_reason``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import json
@@ -34,19 +27,20 @@ import logging
 import mmap
 import os
 import stat
-import struct
-from collections.abc import Iterable
 from typing import Any
 
 from csi_pmem import daxclient
-from csi_pmem.mountinfo import MountInfo, mountinfo
 from csi_pmem.sizes import MiB, describe_size, round_up
 from csi_pmem.weights import persist as persistence
-from csi_pmem.weights.errors import (
-    AlignmentError,
-    ReadOnlyVolumeError,
-    VolumeError,
-    VolumeTooSmallError,
+from csi_pmem.weights.errors import AlignmentError, ReadOnlyVolumeError, VolumeError
+from csi_pmem.weights.image import IMAGE_NAME, reserve, volume_image
+from csi_pmem.weights.mapping import (
+    _refusal,
+    buffer_address,
+    dax_file_reason,
+    large_pages,
+    libc,
+    mapping_kind,
 )
 
 log = logging.getLogger(__name__)
@@ -59,50 +53,6 @@ MADV_POPULATE_WRITE = 23
 # include/uapi/linux/mman.h (x86-64); Python 3.11's mmap module has neither.
 MAP_SHARED_VALIDATE = getattr(mmap, "MAP_SHARED_VALIDATE", 0x03)
 MAP_SYNC = getattr(mmap, "MAP_SYNC", 0x80000)
-# statx(2) (glibc 2.28, Linux 5.8 for the DAX bit); Python 3.11's os has no statx.
-AT_EMPTY_PATH = 0x1000
-STATX_ATTR_DAX = 0x00200000
-_STATX_ATTRIBUTES = 8  # offsets of stx_attributes and stx_attributes_mask (u64)
-_STATX_ATTRIBUTES_MASK = 56
-MOUNTINFO = "/proc/self/mountinfo"
-# Mount options that make every file of the file system DAX (ext2/ext4 print "dax" or
-# "dax=always", xfs "dax=always"). "dax=inode" leaves it to each file: statx tells.
-DAX_MOUNT_OPTIONS = frozenset({"dax", "dax=always"})
-# The volume of a directory without dax.sock (an fsdax Filesystem volume's mount, or any
-# directory): this one file in it, created and grown by staging.
-IMAGE_NAME = "csi-pmem-weights.img"
-
-
-def format_size(n: int) -> str:
-    """Human-readable bytes for messages ("16.0 GiB (17179869184 bytes)")."""
-    return describe_size(n)
-
-
-class _PyBuffer(ctypes.Structure):
-    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object),
-                ("len", ctypes.c_ssize_t), ("itemsize", ctypes.c_ssize_t),
-                ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p),
-                ("strides", ctypes.c_void_p), ("suboffsets", ctypes.c_void_p),
-                ("internal", ctypes.c_void_p)]
-
-
-def buffer_address(obj: Any) -> int:
-    """Address of a buffer's first byte, also for read-only buffers.
-
-    ``ctypes.c_char.from_buffer`` refuses read-only buffers (a PROT_READ mapping), and
-    numpy is optional, so ask the buffer protocol directly. The address stays valid as
-    long as the object does (a mapping does not move).
-    """
-    view = _PyBuffer()
-    get = ctypes.pythonapi.PyObject_GetBuffer
-    get.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
-    if get(obj, ctypes.byref(view), 0) != 0:  # pragma: no cover - raises in ctypes first
-        raise VolumeError("object does not expose a buffer")
-    try:
-        return int(view.buf or 0)
-    finally:
-        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
 
 
 class Volume:
@@ -162,7 +112,7 @@ class Volume:
 
     def __repr__(self) -> str:
         mode = "rw" if self.writable else "ro"
-        return (f"Volume({self.source!r}, {format_size(self.size)}, align={self.align}, "
+        return (f"Volume({self.source!r}, {describe_size(self.size)}, align={self.align}, "
                 f"numa_node={self.numa_node}, {mode})")
 
     @property
@@ -268,10 +218,10 @@ class Volume:
             return False
         if not self.growable or self._fd is None:
             raise VolumeError(f"{self.source} is not a writable image file; it cannot grow "
-                              f"to {format_size(size)}")
+                              f"to {describe_size(size)}")
         reserve(self._fd, size, self.image or self.source)
         self._remap(size)
-        log.info("%s: grew to %s", self.source, format_size(size))
+        log.info("%s: grew to %s", self.source, describe_size(size))
         return True
 
     def refresh(self) -> bool:
@@ -336,7 +286,7 @@ def _check_geometry(source: str, size: int, align: int) -> None:
     if size % align:
         raise AlignmentError(
             f"{source}: size {size} is not a multiple of the volume align "
-            f"{format_size(align)}; devdax mappings must start, end and be offset on that "
+            f"{describe_size(align)}; devdax mappings must start, end and be offset on that "
             "alignment (for a plain file, resize it to a multiple, e.g. with truncate -s)")
 
 
@@ -357,276 +307,6 @@ def _volume_json(directory: str) -> dict[str, Any]:
         return {}
 
 
-def statx_dax(fd: int) -> bool | None:
-    """Whether an open file is DAX (``STATX_ATTR_DAX``), or None where statx cannot tell
-    (no statx in libc, a kernel before 5.8, a file system that does not report it)."""
-    statx = getattr(libc(), "statx", None)
-    if statx is None:
-        return None
-    buf = ctypes.create_string_buffer(256)  # struct statx
-    if statx(fd, b"", AT_EMPTY_PATH, 0, buf) != 0:
-        return None
-    (attributes,) = struct.unpack_from("<Q", buf.raw, _STATX_ATTRIBUTES)
-    (mask,) = struct.unpack_from("<Q", buf.raw, _STATX_ATTRIBUTES_MASK)
-    if not mask & STATX_ATTR_DAX:
-        return None
-    return bool(attributes & STATX_ATTR_DAX)
-
-
-_LIBC: ctypes.CDLL | None = None
-
-
-def libc() -> ctypes.CDLL:
-    """libc through ctypes, errno kept; calls through it release the GIL."""
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-    return _LIBC
-
-
-def mount_of(path: str | None, mounts: Iterable[MountInfo], dev: str = "") -> MountInfo | None:
-    """The mount holding ``path`` (already resolved): the deepest mount point above it;
-    among mounts on the same point the last listed, the one on top.
-
-    ``dev`` (the file's ``st_dev`` as "major:minor") keeps only mounts of that file
-    system, which guards against a path that was mounted over after the file was
-    opened; with no ``path``, or none of those mounts above it, any mount of that file
-    system answers (the DAX options belong to the file system, not to one mount of it).
-    """
-    found, depth, same_fs = None, -1, None
-    for m in mounts:
-        if dev and m.dev:
-            if m.dev != dev:
-                continue
-            same_fs = m
-        if path is None:
-            continue
-        point = m.mount_point.rstrip("/") or "/"
-        inside = point == "/" or path == point or path.startswith(point + "/")
-        if inside and len(point) >= depth:
-            found, depth = m, len(point)
-    return found or same_fs
-
-
-def dax_file_reason(fd: int, path: str | None = None, *,
-                    mounts: Iterable[MountInfo] | None = None) -> str | None:
-    """Why the regular file ``fd`` is DAX (its mapping is the persistent memory itself),
-    or None for a page-cache file or anything that is not a regular file.
-
-    A file is DAX when statx says so, or when the mount holding it (``mounts``, default
-    the process's mountinfo; found by ``path`` and by the file's device, so an fd
-    received over a socket without a path still finds its file system when it is
-    mounted here) has ``dax`` or ``dax=always``.
-    """
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        return None
-    if statx_dax(fd):
-        return "a DAX file (statx STATX_ATTR_DAX)"
-    if mounts is None:
-        try:
-            mounts = mountinfo(MOUNTINFO)
-        except OSError as exc:
-            log.debug("cannot read %s (%s); assuming %s is not on a DAX mount",
-                      MOUNTINFO, exc, path or f"fd {fd}")
-            return None
-    mount = mount_of(os.path.realpath(path) if path else None, mounts,
-                     f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
-    dax = sorted(DAX_MOUNT_OPTIONS & mount.options) if mount is not None else []
-    if mount is None or not dax:
-        return None
-    return (f"on a DAX file system ({mount.fstype} {mount.source} at "
-            f"{mount.mount_point}, mounted with {dax[0]})")
-
-
-def registration_refusal(fd: int, path: str | None = None, *,
-                         mounts: Iterable[MountInfo] | None = None) -> str | None:
-    """Why a mapping of the open ``fd`` must never be registered with CUDA, or None.
-
-    Block devices (their mapping is page cache) and DAX files (the kernel refuses the
-    long-term pins cudaHostRegister needs on fsdax pages) are refused; devdax character
-    devices, tmpfs, hugetlbfs and other files keep the registered path.
-    """
-    return _refusal(fd, path, dax_file_reason(fd, path, mounts=mounts))
-
-
-def _refusal(fd: int, path: str | None, dax: str | None) -> str | None:
-    name = path or f"fd {fd}"
-    if stat.S_ISBLK(os.fstat(fd).st_mode):
-        return (f"{name} is a block device: its mapping is page cache, not DAX memory, "
-                "and pinning it for CUDA does not pay for a one-shot copy")
-    if dax is None:
-        return None
-    return (f"{name} is {dax}: the kernel refuses the long-term pins cudaHostRegister "
-            "needs on fsdax files")
-
-
-# tmpfs mounted with these serves files from 2 MiB pages (transparent huge pages).
-HUGE_TMPFS_OPTIONS = frozenset({"huge=always", "huge=within_size"})
-
-
-def large_pages(fd: int, path: str | None = None, *,
-                mounts: Iterable[MountInfo] | None = None) -> bool:
-    """Whether a mapping of ``fd`` is backed by 2 MiB (or larger) pages: a devdax
-    device, or a file on hugetlbfs or on tmpfs mounted ``huge=always|within_size``.
-
-    Why it matters: the GPU loader's first load of such a mapping registers it piece by
-    piece (the driver pins large pages quickly), while a 4 KiB-page mapping pins so
-    slowly that bounce buffers move it faster.
-    """
-    st = os.fstat(fd)
-    if stat.S_ISCHR(st.st_mode):
-        return True
-    if not stat.S_ISREG(st.st_mode):
-        return False
-    if mounts is None:
-        try:
-            mounts = mountinfo(MOUNTINFO)
-        except OSError:
-            return False
-    mount = mount_of(os.path.realpath(path) if path else None, mounts,
-                     f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
-    if mount is None:
-        return False
-    return mount.fstype == "hugetlbfs" or (
-        mount.fstype == "tmpfs" and bool(HUGE_TMPFS_OPTIONS & mount.options))
-
-
-def mapping_kind(fd: int, dax_reason: str | None) -> str:
-    """What a mapping of ``fd`` is, for :mod:`~csi_pmem.weights.persist`."""
-    st = os.fstat(fd)
-    if stat.S_ISCHR(st.st_mode):
-        return persistence.KIND_DEVDAX
-    if stat.S_ISREG(st.st_mode) and dax_reason is not None:
-        return persistence.KIND_DAX_FILE
-    return persistence.KIND_PAGE_CACHE
-
-
-def volume_image(path: str | os.PathLike[str]) -> str | None:
-    """The image file of a directory volume, whether it exists yet or not; None for
-    every other kind of volume path.
-
-    A directory volume is a directory with neither ``dax.sock`` nor ``volume.json``: an
-    fsdax file system volume's mount, or any directory. A devdax publish directory keeps
-    ``volume.json`` while its socket is briefly gone (node plugin restarting), so it is
-    never mistaken for one and never gets an image written into it.
-    """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        return None
-    for name in (daxclient.SOCKET_NAME, daxclient.METADATA_FILE):
-        if os.path.lexists(os.path.join(path, name)):
-            return None
-    return os.path.join(path, IMAGE_NAME)
-
-
-def _free_bytes(path: str) -> int:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
-def reserve(fd: int, size: int, path: str) -> None:
-    """Make the regular file ``fd`` (at ``path``) at least ``size`` bytes long with all
-    of them allocated (``posix_fallocate``: ENOSPC now, not a SIGBUS when a store into
-    a MAP_SHARED mapping of a hole meets a full file system). On failure the file keeps
-    its old size. Never shrinks."""
-    old = os.fstat(fd).st_size
-    try:
-        os.posix_fallocate(fd, 0, max(size, old))
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            if os.fstat(fd).st_size > old:
-                os.ftruncate(fd, old)  # give back a partial allocation past the old end
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            allocated = os.fstat(fd).st_blocks * 512
-            needed = max(size - allocated, size - old, 0)
-            free = _free_bytes(os.path.dirname(os.path.abspath(path)))
-            quota = " (or the quota)" if exc.errno == errno.EDQUOT else ""
-            raise VolumeTooSmallError(
-                f"no space for {path}: it must be {format_size(size)}, "
-                f"{format_size(needed)} more than is allocated now, but its file "
-                f"system{quota} has only {format_size(free)} free. Free space on that "
-                "file system, stage with --replace (discards the models in the image and "
-                "reuses its space) or use a larger volume", needed=needed,
-                available=free) from exc
-        raise VolumeError(f"cannot allocate {format_size(size)} for {path}: "
-                          f"{exc.strerror}") from exc
-    if os.fstat(fd).st_size < size:  # posix_fallocate extends the file; be sure of it
-        os.ftruncate(fd, size)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def prepare_image(image: str, size: int) -> bool:
-    """Make the image file ``image`` exist with at least ``size`` bytes, allocated
-    (:func:`reserve`); True when this call created it.
-
-    A new image appears complete or not at all: it is allocated under a temporary name
-    and linked into place, so a reader never maps a half-made one, and two stagers
-    creating it at once both end up with the same file. An existing image only grows
-    (and gets its holes allocated, should it have been made sparse by hand).
-    """
-    directory = os.path.dirname(image) or "."
-
-    def refused(exc: OSError) -> VolumeError:
-        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
-            return ReadOnlyVolumeError(
-                f"cannot write {image} ({exc.strerror}): staging into a directory volume "
-                "creates and grows that file, so it needs a writable mount of the volume")
-        return VolumeError(f"cannot prepare {image}: {exc.strerror or exc}")
-
-    if os.path.lexists(image):
-        if not os.path.isfile(image):
-            raise VolumeError(f"{image} is not a regular file; remove it and stage again")
-        st = os.stat(image)
-        if st.st_size >= size and st.st_blocks * 512 >= st.st_size:
-            return False  # large enough and allocated (not a sparse file made by hand)
-        try:
-            fd = os.open(image, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise refused(exc) from exc
-        try:
-            reserve(fd, size, image)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return False
-    # Random, not just the pid: stagers in two pods may have the same pid.
-    tmp = os.path.join(directory, f".{IMAGE_NAME}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o664)
-    except OSError as exc:
-        raise refused(exc) from exc
-    try:
-        try:
-            reserve(fd, size, image)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, image)
-            created = True
-        except FileExistsError:  # another stager was quicker: use its image
-            created = False
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    _fsync_dir(directory)
-    if not created:
-        return prepare_image(image, size)
-    log.info("created %s (%s)", image, format_size(size))
-    return True
-
-
 def _map(fd: int, size: int, writable: bool, prefault: bool, source: str, *,
          sync: bool = False) -> tuple[mmap.mmap, bool, bool]:
     """Map ``fd``; the flags say whether MAP_POPULATE already prefaulted it and whether
@@ -643,7 +323,7 @@ def _map(fd: int, size: int, writable: bool, prefault: bool, source: str, *,
                               prot=prot), bool(populate), True)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise VolumeError(f"mmap of {format_size(size)} of {source} failed: "
+                raise VolumeError(f"mmap of {describe_size(size)} of {source} failed: "
                                   f"{exc}") from exc
             log.warning("%s: MAP_SYNC refused (%s); mapping it without, stores are "
                         "persisted with msync", source, exc)
@@ -657,7 +337,7 @@ def _map(fd: int, size: int, writable: bool, prefault: bool, source: str, *,
         hint = ""
         if exc.errno == errno.EINVAL:
             hint = " (devdax needs MAP_SHARED and a length on the namespace alignment)"
-        raise VolumeError(f"mmap of {format_size(size)} of {source} failed: {exc}{hint}") \
+        raise VolumeError(f"mmap of {describe_size(size)} of {source} failed: {exc}{hint}") \
             from exc
 
 
@@ -771,12 +451,12 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
             raise VolumeError(f"{path}: cannot tell the volume's size ({meta!r})") from exc
         align = int(align or meta.get("align") or DEFAULT_ALIGN)
         if meta.get("block_device") and 0 < size < align:
-            raise VolumeError(f"{path}: the block device ({format_size(size)}) is smaller "
-                              f"than one volume align ({format_size(align)})")
+            raise VolumeError(f"{path}: the block device ({describe_size(size)}) is smaller "
+                              f"than one volume align ({describe_size(align)})")
         if meta.get("block_device") and size % align:
             log.info("%s: mapping %s of the %s block device (whole multiples of the "
-                     "%s align)", path, format_size(size - size % align), format_size(size),
-                     format_size(align))
+                     "%s align)", path, describe_size(size - size % align), describe_size(size),
+                     describe_size(align))
             size -= size % align
         _check_geometry(image or path, size, align)
         # A socket's fd may come from another mount namespace: no path to trust there.

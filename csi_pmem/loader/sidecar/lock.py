@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from csi_pmem import daxclient
 from csi_pmem.loader.sidecar.events import event
 from csi_pmem.weights.errors import VolumeError
-from csi_pmem.weights.volume import volume_image
+from csi_pmem.weights.image import volume_image
 
 
 def _lock_fd(path: str) -> int:

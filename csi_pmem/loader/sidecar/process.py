@@ -30,8 +30,9 @@ from csi_pmem.weights.errors import (
     VolumeError,
     VolumeTooSmallError,
 )
+from csi_pmem.weights.image import volume_image
 from csi_pmem.weights.layout import COMMITTED, read_index
-from csi_pmem.weights.volume import Volume, open_volume, volume_image
+from csi_pmem.weights.volume import Volume, open_volume
 
 MAX_BACKOFF = 60.0
 

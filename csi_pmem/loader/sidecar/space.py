@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from csi_pmem.loader.sidecar.events import event
+from csi_pmem.sizes import describe_size
 from csi_pmem.weights.errors import VolumeTooSmallError
 from csi_pmem.weights.layout import (
     COMMITTED,
@@ -20,7 +21,7 @@ from csi_pmem.weights.layout import (
     read_index,
     write_index,
 )
-from csi_pmem.weights.volume import Volume, format_size
+from csi_pmem.weights.volume import Volume
 
 RETIRED_PREFIX = ".retired/"
 
@@ -92,8 +93,8 @@ def plan_space(index: Index, name: str, revision: str, sources: list[SourceFile]
              "help, because a new model is placed after the last committed one and "
              f"{other_labels} sits after them" if olds else "")
     raise VolumeTooSmallError(
-        f"no room for {label}: it needs {format_size(blocked.needed)} but only "
-        f"{format_size(blocked.available)} are free after the other model(s) on this "
+        f"no room for {label}: it needs {describe_size(blocked.needed)} but only "
+        f"{describe_size(blocked.available)} are free after the other model(s) on this "
         f"volume ({other_labels}). The sidecar never removes another model{freed}. Give "
         f"{name} a volume of its own or a larger one, or clear this one with "
         "csi-pmem-weights stage --replace (discards every model on it)",
