@@ -65,9 +65,8 @@ def libpmem() -> ctypes.CDLL:
         lib.pmem_drain.restype = None
         lib.pmem_has_auto_flush.argtypes = []
         lib.pmem_has_auto_flush.restype = ctypes.c_int
-        # The driver's erase (csi_pmem.driver.erasing.erase) zeroes with it: non-temporal stores,
-        # then
-        # the same fence, so the zeros are durable when the call returns.
+        # The driver's erase (csi_pmem.driver.erasing.erase) zeroes with it: non-temporal
+        # stores, then the same fence, so the zeros are durable when the call returns.
         lib.pmem_memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t,
                                     ctypes.c_uint]
         lib.pmem_memset.restype = ctypes.c_void_p

@@ -1,5 +1,5 @@
-"""Tests for csi_pmem.driver.erasing.erase: a deleted volume's bytes must never reach the next
-tenant.
+"""Tests for csi_pmem.driver.erasing.erase: a deleted volume's bytes must never reach the
+next tenant.
 
 The tests use regular files on tmpfs (/dev/shm when it exists) because they map and
 zero exactly like a devdax device does in this module: MAP_SHARED, no write().

@@ -20,9 +20,8 @@ Contract:
 - ``create_scratch(name, pool, size)`` makes a namespace whose device maps all ``size``
   raw bytes, with no metadata of its own (ndctl: a raw namespace, ``/dev/pmemX.Y``), so
   that zeroing its device zeroes every byte of that space. The driver's scrub
-  (:mod:`csi_pmem.driver.erasing.scrub`) uses it to clean a region's free space; ``namespaces()``
-  never
-  lists such namespaces. Called under the node-wide lock.
+  (:mod:`csi_pmem.driver.erasing.scrub`) uses it to clean a region's free space;
+  ``namespaces()`` never lists such namespaces. Called under the node-wide lock.
 - ``zeroes_new_namespaces``: True when a new namespace always reads as zeros whatever
   was deleted before (the emulated back end's fresh files); the driver then never
   zeroes on create and keeps no clean-space ledger.

@@ -26,9 +26,8 @@ The rules, each in one method, each called under the driver's node-wide lock:
   (a namespace made by hand, or a crash between the driver's own steps) only lowers the
   expectation. Orphans (namespaces named like volumes without a record) make their
   region dirty at start-up too.
-- Only a scrub (:mod:`csi_pmem.driver.erasing.scrub`) makes a region clean: it covers all of the
-free
-  space with scratch namespaces, zeroes them and destroys them. ``generation`` grows
+- Only a scrub (:mod:`csi_pmem.driver.erasing.scrub`) makes a region clean: it covers
+  all of the free space with scratch namespaces, zeroes them and destroys them. ``generation`` grows
   with every change to dirty, so a scrub that began before one cannot claim the region.
 
 Back ends whose new namespaces always read as zeros (the emulated back end's fresh

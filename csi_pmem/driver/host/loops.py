@@ -6,8 +6,8 @@ tests), and a read-only fsdax Block publication is a read-only loop device over 
 namespace, since binding a device node onto a read-only mount does not stop anyone
 from writing to the device. Several loop devices may sit on one backing file or device
 (two read-only publications of one volume), so listings are keyed by loop device.
-Callers reach these through :class:`csi_pmem.driver.host.mounter.HostMounter` (a fake in unit
-tests).
+Callers reach these through :class:`csi_pmem.driver.host.mounter.HostMounter` (a fake
+in unit tests).
 """
 
 from __future__ import annotations
