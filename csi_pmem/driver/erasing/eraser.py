@@ -6,8 +6,8 @@ intent (the volume's DELETING record), queues the erase here and returns; the jo
 zeroes the namespace, destroys it, and only then is the space free, so GetCapacity
 (and with it CSIStorageCapacity) reports it only once it is erased. A restart finds the
 DELETING records and queues them again. Scrubs of dirty regions
-(:mod:`csi_pmem.driver.erasing.scrub`) go through the same queue, so erases never compete with each other for more bandwidth
-than the workers allow.
+(:mod:`csi_pmem.driver.erasing.scrub`) go through the same queue, so erases never
+compete with each other for more bandwidth than the workers allow.
 
 A job is a callable that gets a cancel event (set on shutdown, or when a scrub must
 give way to a CreateVolume); it owns its own crash safety. A job that fails is retried

@@ -3,8 +3,8 @@
 Why: a region is dirty when it was first seen (its media may hold anything), when a
 volume was deleted there without an erase, or when space was freed behind the
 driver's back (:mod:`csi_pmem.driver.erasing.cleanspace`). While it is dirty every
-CreateVolume there zeroes its new namespace; a scrub is the only way back to clean, after which creates
-there write nothing.
+CreateVolume there zeroes its new namespace; a scrub is the only way back to clean,
+after which creates there write nothing.
 
 How, and why so:
 

@@ -12,7 +12,8 @@ fsdax volumes are recognised by device instead: a file system mount by its
 the target then stats with.
 
 The commands run through the runner they are given:
-:class:`csi_pmem.driver.host.mounter.HostMounter` is their one caller, and the node side reaches them through it (a fake in unit tests).
+:class:`csi_pmem.driver.host.mounter.HostMounter` is their one caller, and the node
+side reaches them through it (a fake in unit tests).
 """
 
 from __future__ import annotations
