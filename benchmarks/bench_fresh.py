@@ -34,7 +34,7 @@ tensor that differs. Methods (METHODS; add a variant of ours with one line):
   ours-node, ours-node-noverify
                    the same from a published directory over the first volume whose
                    gpu.sock reaches the node's GPU copy service (its own process, as
-                   deployed: csi_pmem.gpucopy.standalone), registered before the rounds
+                   deployed: csi_pmem.driver.standalone), registered before the rounds
 A method whose library is not installed shows as "not installed" and is not retried;
 a nonzero exit status (a signal shows as -N), a timeout or an inexact result shows in
 the table. Each worker's stdout and stderr are kept in WORK/logs/r<round>-<method>.*.
@@ -107,7 +107,7 @@ class Method:
     volume: bool = False
     check: bool = True
     # Loads from the volume published with the node's GPU copy service
-    # (csi_pmem.gpucopy.standalone: dax.sock + gpu.sock + the service process).
+    # (csi_pmem.driver.standalone: dax.sock + gpu.sock + the service process).
     node: bool = False
 
 
@@ -761,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         node_dir = None
         if any(METHODS[n].node for n in names):
-            from csi_pmem.gpucopy.standalone import published
+            from csi_pmem.driver.standalone import published
 
             node_dir = stack.enter_context(published(volumes[0],
                                                      os.path.join(args.work, "published")))

@@ -31,7 +31,7 @@ Methods:
   csi-pmem-noverify   the same with verify=False (what the peers do: no checksum)
   csi-pmem-node       as csi-pmem, from a published directory whose gpu.sock reaches the
                       node's GPU copy service in its own process
-                      (csi_pmem.gpucopy.standalone, as deployed; needs cuda-bindings); the
+                      (csi_pmem.driver.standalone, as deployed; needs cuda-bindings); the
                       row fails if the load took any other path
   csi-pmem-overlap    start_load() first, the meta model is built while the weights move
                       (what the futures are for), then as csi-pmem
@@ -331,7 +331,7 @@ def harness(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         published = None
         if NODE in methods:
-            from csi_pmem.gpucopy.standalone import published as serve
+            from csi_pmem.driver.standalone import published as serve
 
             published = stack.enter_context(serve(volume, os.path.join(args.work,
                                                                        "published")))

@@ -12,7 +12,7 @@ pairs for the process (``CSI_PMEM_BOUNCE_COPY=torch``, ``GLIBC_TUNABLES=...``), 
 the extra arguments of profile_load.py (``--no-verify --buffers 16``). Every load is
 in-pod: the node copy service is off (``--no-node``, ``CSI_PMEM_GPU_COPY=off``), unless
 ``--node`` serves the volume as a published directory with the copy service in its own
-process (:mod:`csi_pmem.gpucopy.standalone`, as ``bench_fresh.py``'s node rows do) and
+process (:mod:`csi_pmem.driver.standalone`, as ``bench_fresh.py``'s node rows do) and
 every load goes through it.
 
 Usage: benchmarks/profile_ab.py VOLUME --config 'drv||--no-verify'
@@ -87,7 +87,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         if a.node:
             sys.path.insert(0, str(PROFILE.parent.parent))
-            from csi_pmem.gpucopy.standalone import published
+            from csi_pmem.driver.standalone import published
 
             a.volume = stack.enter_context(published(a.volume, a.node))
         return run(a)

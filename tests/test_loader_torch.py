@@ -468,7 +468,7 @@ def test_both_bounce_copies_are_bit_exact(models, monkeypatch, copy):
 def node_load(vol, tmp_path, verify):
     """Load ``vol`` through the node's copy service (the standalone publication), in a
     loader of its own; the load must take the node path."""
-    from csi_pmem.gpucopy.standalone import published
+    from csi_pmem.driver.standalone import published
     from csi_pmem.loader.gpu import GpuLoader
 
     with published(str(vol), str(tmp_path / "pub")) as directory, \
@@ -540,7 +540,7 @@ def test_an_allocation_in_two_parts_is_one_range():
 
 @node_copy
 def test_a_corrupt_byte_fails_a_node_copied_load(models, tmp_path):
-    from csi_pmem.gpucopy.standalone import published
+    from csi_pmem.driver.standalone import published
 
     vol = lm.staged_volume(models / "np", models / "v")
     with open_volume(vol) as v:
@@ -591,7 +591,7 @@ def test_the_cuda_copier_takes_back_discarded_events():
 def test_without_the_service_the_load_falls_back_once(models, tmp_path, caplog):
     import os
 
-    from csi_pmem.gpucopy.standalone import published
+    from csi_pmem.driver.standalone import published
     from csi_pmem.loader.gpu import GpuLoader
 
     vol = lm.staged_volume(models / "sharded", models / "v")
@@ -631,7 +631,7 @@ def test_fresh_processes_exit_cleanly(models, tmp_path, mode):
 
     if mode == "node" and not _cuda_bindings():
         pytest.skip("needs cuda-bindings")
-    from csi_pmem.gpucopy.standalone import published
+    from csi_pmem.driver.standalone import published
 
     vol = lm.staged_volume(models / "sharded", models / "v")
     root = str(Path(__file__).resolve().parent.parent)
