@@ -66,7 +66,7 @@ def main() -> int:
                         "--out", str(model)], check=True, capture_output=True, timeout=600)
         nbytes = sum(f.stat().st_size for f in model.iterdir() if f.is_file())
         stage_s, out = run("stage", str(model), args.volume, "--name", "bench", "--replace",
-                           "-q")
+                           "-q", "-o", "table")
         verify_s, _ = run("verify", args.volume, "-q")
         persisted = re.search(r"^persisted with (.*)$", out, re.M)
         sys.path.insert(0, str(REPO))

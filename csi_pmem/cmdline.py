@@ -24,7 +24,7 @@ import signal
 import sys
 import textwrap
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 import csi_pmem
 from csi_pmem.errors import InvalidArgument
@@ -94,6 +94,26 @@ def exit_codes_epilog(codes: Iterable[Exit], extra: str = "") -> str:
         lines += textwrap.wrap(MEANING[code], width=80, initial_indent=f"  {int(code):<4}",
                                subsequent_indent=" " * 6)
     return (extra.rstrip() + "\n\n" if extra else "") + "\n".join(lines)
+
+
+# -o: the formats both command lines print their answers in.
+OUTPUT_FORMATS = ("table", "json", "yaml", "name")
+
+
+def default_output(stream: TextIO | None = None) -> str:
+    """The format when no ``-o`` is given: a table for a person at a terminal, JSON
+    otherwise, so scripts that read the output need no flag (both command lines)."""
+    return "table" if (stream or sys.stdout).isatty() else "json"
+
+
+def add_output(parser: argparse.ArgumentParser, help: str, *,
+               formats: Sequence[str] = OUTPUT_FORMATS, json_alias: bool = False) -> None:
+    """``-o/--output`` into ``args.output`` (None: :func:`default_output`), and
+    ``--json``, the same as ``-o json``, where a command had that flag before ``-o``."""
+    parser.add_argument("-o", "--output", choices=formats, default=None, help=help)
+    if json_alias:
+        parser.add_argument("--json", dest="output", action="store_const", const="json",
+                            help="the same as -o json")
 
 
 def add_version(parser: argparse.ArgumentParser) -> None:

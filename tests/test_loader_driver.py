@@ -7,6 +7,7 @@ same commands at its mount path: the weights go into the image file there."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 
 from safetensors.numpy import load_file
@@ -28,8 +29,20 @@ def test_stage_and_load_through_a_published_volume(driver, tmp_path, capsys):
     vol = driver.create("weights", size=64 * MiB, params={"numaNode": "1"}).volume
     rw = driver.target("stager")
     driver.publish(vol.volume_id, rw)
-    assert weights_cli.main(["stage", str(tmp_path / "src"), rw, "-q"]) == 0
-    assert "staged src" in capsys.readouterr().out
+    assert weights_cli.main(["stage", str(tmp_path / "src"), rw, "-q", "-o", "table"]) == 0
+    assert "staged src@fp-" in capsys.readouterr().out
+    # A flipped byte on the volume: stage copies again only its chunk, through dax.sock.
+    with open_volume(rw, writable=True) as v:
+        f = layout.read_index(v).models[0].safetensors[-1]
+        v.buffer[f.offset + 9] ^= 0x40
+        v.persist(f.offset + 9, 1)
+    assert weights_cli.main(["verify", rw, "-q"]) == weights_cli.EXIT_MISMATCH
+    capsys.readouterr()
+    assert weights_cli.main(["stage", str(tmp_path / "src"), rw, "-q", "-o", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["action"], doc["copied"], doc["repaired"]["files"]) == (
+        "repaired", f.length, [f.name])  # a small file: one chunk
+    assert weights_cli.main(["verify", rw, "-q"]) == 0
     driver.unpublish(vol.volume_id, rw)
 
     ro = driver.target("server")
@@ -77,7 +90,7 @@ def test_stage_and_load_through_an_fsdax_filesystem_volume(driver, tmp_path, cap
     try:
         assert not os.path.exists(os.path.join(rw, "dax.sock"))
         assert weights_cli.main(["stage", str(tmp_path / "src"), rw, "--name", "llm",
-                                 "-q"]) == 0
+                                 "-q", "-o", "table"]) == 0
         assert f"image {rw}/{IMAGE_NAME}" in capsys.readouterr().out
         image = os.path.join(rw, IMAGE_NAME)
         need = layout.required_size(layout.Index(),
@@ -86,7 +99,7 @@ def test_stage_and_load_through_an_fsdax_filesystem_volume(driver, tmp_path, cap
         # The same file system under the staging path: the same image.
         assert os.path.getsize(os.path.join(globalmount, IMAGE_NAME)) == need
         assert weights_cli.main(["stage", str(tmp_path / "src"), rw, "--name", "llm",
-                                 "-q"]) == 0
+                                 "-q", "-o", "table"]) == 0
         assert "already staged" in capsys.readouterr().out
         # A second model grows the image on ext4.
         assert weights_cli.main(["stage", str(tmp_path / "big"), rw, "-q"]) == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,7 @@ def test_stage_into_a_directory_creates_the_image_and_loads_byte_exact(shm, caps
     ref.update(lm.numpy_tensors())
     lm.save_numpy_model(shm / "src", lm.numpy_tensors(), name="extra.safetensors")
     models = models_dir(shm)
-    assert cli("stage", shm / "src", models, "--name", "llm", "-q") == 0
+    assert cli("stage", shm / "src", models, "--name", "llm", "-q", "-o", "table") == 0
     image = models / IMAGE_NAME
     assert f"image {image}" in capsys.readouterr().out
     assert sorted(os.listdir(models)) == [IMAGE_NAME]  # no temporary file left
@@ -109,13 +110,14 @@ def test_stage_into_a_directory_creates_the_image_and_loads_byte_exact(shm, caps
     finally:
         view.volume.close()
 
-    assert cli("ls", models) == 0
+    assert cli("ls", models, "-o", "table") == 0
     out = capsys.readouterr().out
-    assert f"{models} (image {image})" in out and "llm  [committed]  7 files" in out
+    assert f"{models} (image {image})" in out and "llm@fp-" in out
+    assert "  [committed]  7 files" in out
     assert cli("ls", models, "--json") == 0
     assert json.loads(capsys.readouterr().out)["image"] == str(image)
-    assert cli("verify", models, "-q") == 0
-    assert "llm: OK" in capsys.readouterr().out
+    assert cli("verify", models, "-q", "-o", "table") == 0
+    assert re.search(r"^llm@fp-\w+: OK$", capsys.readouterr().out, re.M)
     assert cli("export", models, shm / "out", "-q") == 0
     assert lm.tree_digest(shm / "out") == lm.tree_digest(shm / "src")
 
@@ -127,7 +129,7 @@ def test_restaging_the_same_model_writes_nothing(shm, capsys):
     image = models / IMAGE_NAME
     before = (image.stat().st_size, image.stat().st_mtime_ns, digest(image))
     capsys.readouterr()
-    assert cli("stage", shm / "src", models, "--revision", "r1", "-q") == 0
+    assert cli("stage", shm / "src", models, "--revision", "r1", "-q", "-o", "table") == 0
     assert "already staged" in capsys.readouterr().out
     assert (image.stat().st_size, image.stat().st_mtime_ns, digest(image)) == before
 

@@ -273,7 +273,7 @@ def test_fingerprint_ignores_mtimes_and_location_and_sees_new_weights(shm, monke
 def ensure(volume: Path, src: Path, name: str = "m", revision: str | None = None,
            **kw) -> sidecar.Outcome:
     sources = scan_source(str(src))
-    rev = revision or sidecar.fingerprint(sources)
+    rev = revision or sidecar.fingerprint(sources, kw.get("fingerprint_mode") or "sample")
     with open_volume(volume, writable=True) as v:
         return sidecar.ensure_model(v, str(src), sources, name, rev, **kw)
 
@@ -341,17 +341,105 @@ def test_model_larger_than_the_volume(shm):
     assert index_of(vol) is None
 
 
-def test_damaged_copy_is_repaired_file_by_file(shm):
+def test_damaged_copy_is_repaired_chunk_by_chunk(shm, monkeypatch):
     src = make_model(shm / "src")
-    vol = lm.volume_file(shm / "vol", 64 * MiB)
+    big = lm.large_model(src / "big", 66 * MiB)  # two checksum chunks: 64 MiB and the rest
+    assert big
+    vol = lm.volume_file(shm / "vol", 128 * MiB)
     first = ensure(vol, src)
     victim = first.model.file("model-00002-of-00004.safetensors")
+    large = first.model.file("big/model.safetensors")
     with open(vol, "r+b") as f:
         f.seek(victim.offset + 100)
         f.write(b"bit rot")
-    out = ensure(vol, src)  # the default start-up check reads each file's first chunk
-    assert out.action == "repaired" and out.copied == victim.length
+        f.seek(large.offset + large.length - 10)  # in its second chunk
+        f.write(b"rot")
+    read = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: read.append(
+        sum(len(b) for b in bufs)) or real(fd, bufs, off))
+    # The start-up sample sees the first chunks; the damage found, every chunk is
+    # checked, and only the two damaged chunks are copied again.
+    out = ensure(vol, src)
+    second_chunk = large.length - layout.CHUNK_SIZE
+    assert out.action == "repaired"
+    assert out.copied == sum(read) == victim.length + second_chunk
+    assert out.reused == out.model.size - out.copied
+    assert committed(vol) == [first.model.label()]
     assert exported(vol, shm / "out") == lm.tree_digest(src)
+
+
+# --- stage and the sidecar agree on revisions ---------------------------------------------
+
+def test_stage_then_sidecar_copies_nothing(shm):
+    """``csi-pmem-weights stage`` records the fingerprint the sidecar computes."""
+    src = make_model(shm / "src")
+    vol = lm.volume_file(shm / "vol", 64 * MiB)
+    assert weights_cli.main(["stage", str(src), str(vol), "--name", "m", "-q"]) == 0
+    (staged,) = index_of(vol).models
+    assert staged.revision == sidecar.fingerprint(scan_source(str(src)))
+    before = volume_digest(vol)
+    rc, doc, err = run_once(vol, src)
+    assert rc == 0, err
+    assert (doc["action"], doc["bytes_copied"], doc["revision"]) == (
+        "already-staged", 0, staged.revision)
+    assert volume_digest(vol) == before  # not a byte written
+
+
+def test_sidecar_then_stage_copies_nothing(shm, capsys):
+    src = make_model(shm / "src")
+    vol = lm.volume_file(shm / "vol", 64 * MiB)
+    rc, doc, err = run_once(vol, src)
+    assert rc == 0 and doc["action"] == "staged", err
+    before = volume_digest(vol)
+    assert weights_cli.main(["stage", str(src), str(vol), "--name", "m", "-q",
+                             "-o", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["action"], out["copied"], out["revision"]) == (
+        "already-staged", 0, doc["revision"])
+    assert out["checked"] == out["bytes"] > 0  # it checked what it skipped
+    assert volume_digest(vol) == before
+    # --fingerprint full on both sides agrees too; sample and full name different things.
+    rc, full, err = run_once(vol, src, "--fingerprint", "full")
+    assert rc == 0 and full["action"] == "staged" and full["revision"].startswith("sha-")
+    before = volume_digest(vol)
+    assert weights_cli.main(["stage", str(src), str(vol), "--name", "m", "-q",
+                             "--fingerprint", "full", "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["action"] == "already-staged"
+    assert volume_digest(vol) == before
+
+
+def test_a_model_staged_without_a_revision_is_adopted_not_copied(shm, capsys):
+    """What earlier versions of stage wrote (revision ""): both stagers recognise the
+    source's content on the volume by its fingerprint and record it, copying nothing;
+    other content under that name is not adopted."""
+    src = make_model(shm / "src")
+    for who in ("sidecar", "stage"):
+        vol = lm.volume_file(shm / f"vol-{who}", 64 * MiB)
+        with open_volume(vol, writable=True) as v:
+            stage(v, str(src), name="m")
+        assert index_of(vol).models[0].revision == ""
+        if who == "sidecar":
+            out = ensure(vol, src, fingerprint_mode="sample")
+            assert (out.action, out.copied) == ("already-staged", 0)
+        else:
+            assert weights_cli.main(["stage", str(src), str(vol), "--name", "m", "-q",
+                                     "-o", "json"]) == 0
+            doc = json.loads(capsys.readouterr().out)
+            assert (doc["action"], doc["adopted"], doc["copied"]) == (
+                "already-staged", True, 0)
+        assert index_of(vol).models[0].revision == sidecar.fingerprint(
+            scan_source(str(src)))
+
+    other = shm / "other"
+    shutil.copytree(src, other)
+    poke_tensor(other / "model-00001-of-00004.safetensors")
+    vol = lm.volume_file(shm / "vol-other", 64 * MiB)
+    with open_volume(vol, writable=True) as v:
+        stage(v, str(src), name="m")
+    assert weights_cli.main(["stage", str(other), str(vol), "--name", "m", "-q"]) == 1
+    assert "needs --replace" in capsys.readouterr().err
+    assert index_of(vol).models[0].revision == ""
 
 
 def test_rollback_to_a_revision_still_on_the_volume_copies_nothing(shm):
@@ -557,7 +645,7 @@ def test_periodic_verify_notices_damage_and_repairs_it(shm, sidecars):
     with open(vol, "r+b") as f:  # the middle of a file: only a full verify sees it
         f.seek(victim.offset + victim.length // 2)
         f.write(b"\xde\xad")
-    s.wait_event("the staged copy is damaged; copying the damaged files again")
+    s.wait_event("the staged copy is damaged; copying the damaged chunks again")
     s.wait_ready()
     assert s.status()["action"] == "repaired"
     m, model = s.metrics(), frozenset({("model", "m")})

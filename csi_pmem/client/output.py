@@ -10,14 +10,14 @@ ids for ``ID=$(...)``. Pure functions of (action, document), tested without a dr
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
+from csi_pmem.cmdline import OUTPUT_FORMATS, default_output
 from csi_pmem.errors import CsiPmemError
 from csi_pmem.sizes import human_size
 
-FORMATS = ("table", "json", "yaml", "name")
+FORMATS = OUTPUT_FORMATS  # the same -o as csi-pmem-weights' (csi_pmem.cmdline)
 FORMAT_HELP = ("output format: table (the default when stdout is a terminal), json (the "
                "default otherwise, so scripts keep working), yaml, or name (volume ids "
                "only, one a line, for ID=$(...))")
@@ -28,7 +28,7 @@ class OutputError(CsiPmemError):
 
 
 def default_format(stream: TextIO | None = None) -> str:
-    return "table" if (stream or sys.stdout).isatty() else "json"
+    return default_output(stream)
 
 
 def check(action: str, fmt: str) -> None:

@@ -9,9 +9,11 @@ block device, a plain file (tmpfs, hugetlbfs, an emulated volume's backing file)
 other directory, such as an fsdax file system volume's mount: its volume is then the
 image file ``csi-pmem-weights.img`` in it, which ``stage`` creates and grows to fit.
 
-What it prints: results on stdout; progress (bytes, rate, ETA) on stderr when that is
-a terminal or with ``--progress`` (:mod:`csi_pmem.loader.progress`); exit codes and the
-conventions both command lines share are :mod:`csi_pmem.cmdline`'s. The help texts are
+What it prints: results on stdout, in the format ``-o table|json|yaml|name`` picks, by
+the rule ``csi-pmem volume`` follows (a table on a terminal, JSON otherwise, so scripts
+need no flag; ``--json`` stays as ``-o json``); progress (bytes, rate, ETA) on stderr
+when that is a terminal or with ``--progress`` (:mod:`csi_pmem.loader.progress`); exit
+codes and the conventions both command lines share are :mod:`csi_pmem.cmdline`'s. The help texts are
 written out here, not taken from docstrings, so ``--help`` shows no markup.
 """
 
@@ -22,14 +24,17 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 from csi_pmem.cmdline import (
     COMPLETION_HELP,
     LOG_LEVELS,
     Exit,
     HelpFormatter,
+    add_output,
     add_version,
     attach_negative_values,
+    default_output,
     enable_completion,
     exit_codes_epilog,
     log_level,
@@ -38,6 +43,7 @@ from csi_pmem.cmdline import (
 )
 from csi_pmem.cmdline import quantity as parse_size
 from csi_pmem.loader import sidecar, staging
+from csi_pmem.loader.fingerprint import FINGERPRINTS
 from csi_pmem.loader.progress import Progress, wanted
 from csi_pmem.sizes import MiB, describe_size, round_up
 from csi_pmem.weights import errors
@@ -48,6 +54,9 @@ from csi_pmem.weights.volume import DEFAULT_ALIGN, open_volume
 EXIT_ERROR, EXIT_MISMATCH = Exit.ERROR, Exit.MISMATCH
 EXIT_CODES = (Exit.OK, Exit.ERROR, Exit.USAGE, Exit.MISMATCH, Exit.INTERRUPTED,
               Exit.BROKEN_PIPE)
+OUTPUT_HELP = ("output format, as csi-pmem volume's: table (the default when stdout is a "
+               "terminal), json (the default otherwise, so scripts keep working; --json "
+               "is the same), yaml (needs PyYAML), or name ({names}, one a line)")
 SIZE_HELP = "a Kubernetes quantity: 16Gi is 16 GiB, 16G is 16*10^9 bytes"
 DESCRIPTION = """\
 Stage, verify, list, export and benchmark safetensors models on a persistent-memory \
@@ -77,73 +86,152 @@ def _plain_file(path: str, size: int | None, align: int | None) -> None:
             f.truncate(size)
 
 
+def output_format(args: argparse.Namespace) -> str:
+    """``-o``, or the default both command lines share; checked before any work (a
+    stage must not find out after copying that it cannot print its answer)."""
+    fmt: str = args.output or default_output()
+    if fmt == "yaml":
+        try:
+            import yaml  # noqa: F401 - only -o yaml needs PyYAML, not in the loader extra
+        except ModuleNotFoundError:
+            raise errors.LoaderError("-o yaml needs PyYAML, which is not installed: pip "
+                                     "install pyyaml (or use -o json)") from None
+    return fmt
+
+
+def emit(fmt: str, doc: Any, table: str, names: list[str]) -> None:
+    """Print one command's answer: ``doc`` as JSON or YAML, ``table`` for people, or
+    ``names`` one a line (models, or exported files, for ``$(...)``)."""
+    if fmt == "json":
+        text = json.dumps(doc, indent=2, sort_keys=True)
+    elif fmt == "yaml":
+        import yaml
+
+        text = yaml.safe_dump(doc, sort_keys=True, default_flow_style=False).rstrip("\n")
+    elif fmt == "name":
+        text = "\n".join(names)
+    else:
+        text = table
+    if text:
+        print(text)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _stage_table(result: staging.StageResult, volume: str, image: str,
+                 durable: str) -> str:
+    m = result.model
+    lines = []
+    if result.adopted:
+        lines.append(f"recorded revision {m.revision} on {m.name}: the copy on the volume "
+                     "is the source's content")
+    if result.action == "already-staged":
+        lines.append(f"{m.label()} is already staged on {volume} ({describe_size(m.size)}); "
+                     f"every chunk checked, nothing copied{image}")
+        return "\n".join(lines)
+    if result.repair is not None:
+        fixed = result.repair
+        lines.append(f"repaired {m.label()}: {_count(fixed.chunks, 'chunk')} of "
+                     f"{_count(len(fixed.files), 'file')}, {describe_size(result.copied)} "
+                     f"copied ({describe_size(result.reused)} checked intact) in "
+                     f"{result.seconds:.1f} s{image}")
+        if fixed.whole:
+            lines.append("  copied whole, the source no longer holding the bytes staged: "
+                         + ", ".join(fixed.whole))
+    else:
+        rate = result.copied / max(result.seconds, 1e-9) / 1e9
+        lines.append(f"staged {m.label()}: {len(m.files)} files, {describe_size(m.size)} "
+                     f"({describe_size(result.copied)} copied, {describe_size(result.reused)} "
+                     f"reused after verification) in {result.seconds:.1f} s "
+                     f"({rate:.2f} GB/s){image}")
+    lines.append(f"persisted with {durable}")
+    return "\n".join(lines)
+
+
 def cmd_stage(args: argparse.Namespace) -> int:
+    fmt = output_format(args)
     _plain_file(args.volume, args.size, args.align)
     with progress("stage", args) as bar, \
             staging.open_for_staging(args.volume, align=args.align, size=args.size) as vol:
         result = staging.stage(vol, args.src, name=args.name, revision=args.revision,
-                               replace=args.replace, threads=args.threads, progress=bar)
+                               fingerprint=args.fingerprint, replace=args.replace,
+                               threads=args.threads, progress=bar)
         image = f" (image {vol.image}, {describe_size(vol.size)})" if vol.image else ""
         durable = vol.persistence.detail
-    m = result.model
-    if result.already:
-        print(f"{m.label()} is already staged on {args.volume} ({describe_size(m.size)}); "
-              f"nothing copied{image}")
-    else:
-        rate = result.copied / max(result.seconds, 1e-9) / 1e9
-        print(f"staged {m.label()}: {len(m.files)} files, {describe_size(m.size)} "
-              f"({describe_size(result.copied)} copied, {describe_size(result.reused)} reused "
-              f"after verification) in {result.seconds:.1f} s ({rate:.2f} GB/s){image}")
-        print(f"persisted with {durable}")
+        where = {"volume": args.volume, "image": vol.image, "volume_size": vol.size}
+    m, fixed = result.model, result.repair
+    doc = {**where, "action": result.action, "model": m.name, "revision": m.revision,
+           "adopted": result.adopted, "files": len(m.files), "bytes": m.size,
+           "copied": result.copied, "reused": result.reused, "checked": result.checked,
+           "seconds": round(result.seconds, 3),
+           "persistence": None if result.action == "already-staged" else durable,
+           "repaired": None if fixed is None else {
+               "chunks": fixed.chunks, "files": fixed.files, "whole_files": fixed.whole,
+               "bytes": fixed.copied}}
+    emit(fmt, doc, _stage_table(result, args.volume, image, durable), [m.name])
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    fmt = output_format(args)
     with progress("verify", args) as bar, open_volume(args.volume) as vol:
-        report = staging.verify(vol, args.model, threads=args.threads, progress=bar)
-    bad = 0
-    for label, problems in report.items():
-        print(f"{label}: {'OK' if not problems else f'{len(problems)} bad chunk(s)'}")
-        for p in problems:
-            print(f"  {p}")
-        bad += len(problems)
-    return EXIT_MISMATCH if bad else 0
+        report = staging.verify_models(vol, args.model, threads=args.threads, progress=bar)
+    lines = []
+    for model, problems in report:
+        lines.append(f"{model.label()}: "
+                     f"{'OK' if not problems else f'{len(problems)} bad chunk(s)'}")
+        lines += [f"  {p}" for p in problems]
+    doc = {"volume": args.volume, "ok": not any(p for _, p in report), "models": [
+        {"model": model.name, "revision": model.revision, "ok": not problems,
+         "bytes": model.size,
+         "bad_chunks": [{"file": p.chunk.file, "chunk": p.chunk.index,
+                         "offset": p.chunk.offset, "length": p.chunk.length,
+                         "algo": p.chunk.algo, "expected": p.chunk.expected, "got": p.got}
+                        for p in problems]}
+        for model, problems in report]}
+    emit(fmt, doc, "\n".join(lines), [model.name for model, _ in report])
+    return 0 if doc["ok"] else EXIT_MISMATCH
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    fmt = output_format(args)
     with open_volume(args.volume) as vol:
         index = read_index(vol)
         size, align, image = vol.size, vol.align, vol.image
     models = index.models if index else []
-    if args.json:
-        doc = {"volume": args.volume, "image": image, "size": size, "align": align,
-               "generation": index.generation if index else 0,
-               "models": [m.to_json() | {"digests": {f.name: f.digest for f in m.files}}
-                          for m in models]}
-        for m in doc["models"]:
-            for f in m["files"]:
-                f.pop("chunks", None)
-        print(json.dumps(doc, indent=1))
-        return 0
+    doc = {"volume": args.volume, "image": image, "size": size, "align": align,
+           "generation": index.generation if index else 0,
+           "models": [m.to_json() | {"digests": {f.name: f.digest for f in m.files}}
+                      for m in models]}
+    for entry in doc["models"]:
+        for f in entry["files"]:
+            f.pop("chunks", None)
     used = max([INDEX_AREA] + [m.end for m in models])
     where = f"{args.volume} (image {image})" if image else args.volume
-    print(f"{where}: {describe_size(size)}, align {describe_size(align)}, "
-          f"{describe_size(size - used)} free")
+    lines = [f"{where}: {describe_size(size)}, align {describe_size(align)}, "
+             f"{describe_size(size - used)} free"]
     if not models:
-        print("  (no model staged)")
+        lines.append("  (no model staged)")
     for m in models:
-        print(f"  {m.label()}  [{m.state}]  {len(m.files)} files, {describe_size(m.size)}")
+        lines.append(f"  {m.label()}  [{m.state}]  {len(m.files)} files, "
+                     f"{describe_size(m.size)}")
         for f in m.files:
             state = "" if f.done else "  (not copied yet)"
-            print(f"    {f.length:>14}  @{f.offset:<14} {f.name}{state}")
+            lines.append(f"    {f.length:>14}  @{f.offset:<14} {f.name}{state}")
+    emit(fmt, doc, "\n".join(lines), [m.name for m in models])
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    fmt = output_format(args)
     with progress("export", args) as bar, open_volume(args.volume) as vol:
         written = staging.export(vol, args.dest, args.model, overwrite=args.overwrite,
                                  threads=args.threads, progress=bar)
-    print(f"exported {len(written)} files to {args.dest} (checksums verified)")
+    doc = {"volume": args.volume, "dest": args.dest, "files": written, "verified": True}
+    emit(fmt, doc, f"exported {len(written)} files to {args.dest} (checksums verified)",
+         written)
     return 0
 
 
@@ -151,17 +239,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from csi_pmem.loader import bench
     from csi_pmem.loader.model import open_model
 
+    fmt = output_format(args)
     with open_volume(args.volume) as vol:
         view = open_model(vol, args.model)
         results = bench.run_cpu(view, threads=args.threads or 12, buffers=args.buffers,
                                 buffer_size=args.buffer_size, repeat=args.repeat)
-    if args.json:
-        print(json.dumps([r.as_dict() for r in results], indent=1))
-    else:
-        print(f"model {view.model.label()}: {describe_size(view.model.size)} on {args.volume} "
-              f"(NUMA node {vol.numa_node if vol.numa_node is not None else 'unknown'})")
-        for r in results:
-            print(f"  {r.name:<36} {r.gbps:8.2f} GB/s  {r.seconds * 1e3:9.2f} ms  {r.note}")
+    lines = [f"model {view.model.label()}: {describe_size(view.model.size)} on {args.volume} "
+             f"(NUMA node {vol.numa_node if vol.numa_node is not None else 'unknown'})"]
+    lines += [f"  {r.name:<36} {r.gbps:8.2f} GB/s  {r.seconds * 1e3:9.2f} ms  {r.note}"
+              for r in results]
+    emit(fmt, [r.as_dict() for r in results], "\n".join(lines), [])
     return 0
 
 
@@ -196,7 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src", metavar="SRC_DIR", help="directory of *.safetensors and configs")
     s.add_argument("volume", metavar="VOLUME")
     s.add_argument("--name", help="model name (default: SRC_DIR's name)")
-    s.add_argument("--revision", default="", help="revision recorded with the model")
+    s.add_argument("--revision", default=None,
+                   help="revision recorded with the model (default: the source's "
+                        "fingerprint, the revision the staging sidecar records without "
+                        "--revision, so neither copies again what the other staged)")
+    s.add_argument("--fingerprint", choices=FINGERPRINTS, default="sample",
+                   help="without --revision: sample (headers plus a few MiB of data; "
+                        "default) or full (hash every byte of the source); as the "
+                        "sidecar's --fingerprint")
     s.add_argument("--replace", action="store_true",
                    help="discard everything on the volume first")
     s.add_argument("--size", type=parse_size,
@@ -205,16 +299,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--align", type=parse_size,
                    help=f"override the volume align, e.g. 2Mi ({SIZE_HELP})")
     common(s, model=False)
+    add_output(s, OUTPUT_HELP.format(names="the model name"), json_alias=True)
     s.set_defaults(func=cmd_stage)
 
     v = sub.add_parser("verify", help="check every staged chunk against its checksum")
     v.add_argument("volume", metavar="VOLUME")
     common(v)
+    add_output(v, OUTPUT_HELP.format(names="the names of the models checked"),
+               json_alias=True)
     v.set_defaults(func=cmd_verify)
 
     ls = sub.add_parser("ls", help="list models, files, sizes and offsets")
     ls.add_argument("volume", metavar="VOLUME")
-    ls.add_argument("--json", action="store_true")
+    add_output(ls, OUTPUT_HELP.format(names="model names"), json_alias=True)
     ls.set_defaults(func=cmd_ls)
 
     e = sub.add_parser("export", help="write a staged model's files back, byte-identical")
@@ -222,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("dest", metavar="DEST")
     e.add_argument("--overwrite", action="store_true")
     common(e)
+    add_output(e, OUTPUT_HELP.format(names="the paths written"), json_alias=True)
     e.set_defaults(func=cmd_export)
 
     b = sub.add_parser("bench", help="CPU-path throughput (views, memcpy, verify)")
@@ -230,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--buffer-size", type=parse_size, default=16 * MiB,
                    help=f"bounce buffer size (default 16Mi; {SIZE_HELP})")
     b.add_argument("--repeat", type=int, default=3)
-    b.add_argument("--json", action="store_true")
+    add_output(b, "output format: table (the default when stdout is a terminal), json "
+               "(the default otherwise) or yaml", formats=("table", "json", "yaml"),
+               json_alias=True)
     common(b, bar=False)
     b.set_defaults(func=cmd_bench)
 

@@ -8,6 +8,13 @@ device-dax, msync on page-cache files), and commits the model last, so a crash o
 signal at any point leaves either the previous state or a ``staging`` entry that loads
 refuse and the next ``stage`` resumes (files already done are verified, not copied again).
 
+A committed model is not trusted blindly when it is staged again: :func:`stage` checks
+every chunk it would skip and :func:`repair` copies again only the damaged chunks (a
+whole file only where the source no longer holds the bytes that were staged), the same
+code the staging sidecar repairs with. Without a revision, :func:`stage` can record the
+source's fingerprint (:mod:`csi_pmem.loader.fingerprint`), the sidecar's revision, so
+neither copies again what the other staged.
+
 Copies go straight from the source file into the mapping (``preadv`` into a view of
 it): one copy, no intermediate buffer, and several chunks in flight on a thread pool
 because ``preadv`` and hashlib release the GIL.
@@ -28,9 +35,11 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from csi_pmem import failpoints
+from csi_pmem.loader.fingerprint import fingerprint as source_fingerprint
+from csi_pmem.loader.fingerprint import staged_fingerprint
 from csi_pmem.sizes import describe_size, round_up
 from csi_pmem.weights import checksum
 from csi_pmem.weights.errors import (
@@ -66,12 +75,33 @@ Progress = Callable[[int, int, str], None]
 
 
 @dataclass
+class Repair:
+    """What :func:`repair` copied again: ``chunks`` damaged chunks in ``files`` files,
+    ``whole`` of those files copied whole (the source no longer held the staged bytes),
+    ``copied`` bytes in all; ``checked`` bytes were hashed to find the damage."""
+
+    chunks: int = 0
+    files: list[str] = field(default_factory=list)
+    whole: list[str] = field(default_factory=list)
+    copied: int = 0
+    checked: int = 0
+
+
+@dataclass
 class StageResult:
+    """``action``: ``staged``, ``resumed``, ``already-staged`` (checked, nothing copied)
+    or ``repaired`` (``repair`` says what was copied again); ``adopted`` when the model
+    was staged without a revision and is now recorded under the source's fingerprint."""
+
     model: ModelEntry
     copied: int
     reused: int
     seconds: float
     already: bool = False
+    action: str = "staged"
+    repair: Repair | None = None
+    checked: int = 0
+    adopted: bool = False
 
 
 def scan_source(src_dir: str) -> list[SourceFile]:
@@ -230,22 +260,145 @@ def open_for_staging(path: str | os.PathLike[str], *, align: int | None = None,
     return open_volume(path, writable=True, align=align)
 
 
-def stage(volume: Volume, src_dir: str, *, name: str | None = None, revision: str = "",
-          replace: bool = False, threads: int | None = None,
-          progress: Progress | None = None) -> StageResult:
-    """Copy ``src_dir`` into the volume as model ``name`` (default: the directory name)."""
+def adopt(volume: Volume, index: Index, model: ModelEntry, sources: list[SourceFile],
+          revision: str, mode: str, threads: int | None = None) -> bool:
+    """Record ``revision`` (the sources' fingerprint in ``mode``) on a committed ``model``
+    staged without one (by earlier versions of ``stage``) when its copy is the sources'
+    content wherever the fingerprint looks; True when adopted. Writes only the index."""
+    if (model.state != COMMITTED or model.revision or not revision
+            or not _same_files(model, sources)
+            or staged_fingerprint(volume, model, mode, threads) != revision):
+        return False
+    model.revision = revision
+    write_index(volume, index)
+    log.info("recorded revision %s on %s: its copy matches the source", revision, model.name)
+    return True
+
+
+def repair(volume: Volume, index: Index, model: ModelEntry, sources: list[SourceFile],
+           bad: list[checksum.Mismatch] | None = None, *, threads: int | None = None,
+           progress: Progress | None = None) -> Repair:
+    """Copy again, from ``sources``, only what is damaged in the committed ``model``.
+
+    ``bad`` is what a full check found; None checks every chunk first. Each damaged
+    chunk is read again from its source file and must then match the checksum it was
+    staged with; where it does not, the source no longer holds the staged bytes and the
+    whole file is copied again (new checksums). The model is ``staging`` meanwhile
+    (loads refuse it; an interrupted repair is resumed by the next stage) and committed
+    again at the end. Used by ``csi-pmem-weights stage`` and by the staging sidecar.
+    """
+    if not volume.writable:
+        raise ReadOnlyVolumeError(
+            f"{volume.source} is opened read-only; repairing needs a writable volume")
+    threads = threads or checksum.default_threads()
+    result = Repair()
+    if bad is None:
+        chunks = checksum.model_chunks(model)
+        bad = checksum.verify_chunks(volume, chunks, threads=threads)
+        result.checked = sum(c.length for c in chunks)
+    if not bad:
+        return result
+    by_name = {s.name: s for s in sources}
+    damaged: dict[str, list[checksum.Chunk]] = {}
+    for m in bad:
+        damaged.setdefault(m.chunk.file, []).append(m.chunk)
+    missing = sorted(set(damaged) - set(by_name))
+    if missing:
+        raise LoaderError(f"cannot repair {model.label()}: the source has no "
+                          + ", ".join(missing))
+    model.state = STAGING  # loads refuse it until the repair is committed
+    model.updated = time.time()
+    write_index(volume, index)
+    total = sum(c.length for chunks in damaged.values() for c in chunks)
+    with ThreadPoolExecutor(threads, thread_name_prefix="repair") as pool:
+        for fname, chunks in damaged.items():
+            entry, src = model.file(fname), by_name[fname]
+            fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                got = list(pool.map(lambda c, e=entry, fd=fd, src=src: _copy_chunk(
+                    volume, fd, e, c.offset - e.offset, c.length, src.path, c.algo), chunks))
+            finally:
+                os.close(fd)
+            result.files.append(fname)
+            result.chunks += len(chunks)
+            result.copied += sum(c.length for c in chunks)
+            if any(g != c.expected for g, c in zip(got, chunks, strict=True)):
+                result.whole.append(fname)
+            if progress:
+                progress(result.copied, total, fname)
+    if result.whole:
+        log.warning("repair: %s no longer hold(s) the bytes staged as %s; copying the "
+                    "whole file(s) again", ", ".join(result.whole), model.label())
+        again = [model.file(n) for n in result.whole]
+        for f in again:
+            f.done, f.chunks = False, []
+            f.source_size, f.source_mtime_ns = by_name[f.name].size, by_name[f.name].mtime_ns
+        _Copier(volume, index, model, by_name, threads, progress,
+                total + sum(f.length for f in again), result.copied).run(again)
+        result.copied += sum(f.length for f in again)
+    model.state = COMMITTED
+    model.updated = time.time()
+    write_index(volume, index, commit=True)
+    volume.sync()
+    log.info("repaired %s: %d chunk(s) of %d file(s), %s copied", model.label(),
+             result.chunks, len(result.files), describe_size(result.copied))
+    return result
+
+
+def _check_committed(volume: Volume, index: Index, model: ModelEntry,
+                     sources: list[SourceFile], threads: int | None,
+                     progress: Progress | None, started: float,
+                     adopted: bool) -> StageResult:
+    """Stage over a committed copy of the same revision: check every chunk it would
+    skip, and copy again only the damaged ones."""
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress:
+            progress(done[0], model.size, "checking the staged copy")
+
+    bad = checksum.verify_chunks(volume, checksum.model_chunks(model), threads=threads,
+                                 progress=tick)
+    if not bad:
+        return StageResult(model, 0, model.size, time.monotonic() - started, already=True,
+                           action="already-staged", checked=model.size, adopted=adopted)
+    log.warning("%s: %d chunk(s) do not match their checksums, first: %s; copying them "
+                "again", model.label(), len(bad), bad[0])
+    fixed = repair(volume, index, model, sources, bad, threads=threads, progress=progress)
+    return StageResult(model, fixed.copied, model.size - fixed.copied,
+                       time.monotonic() - started, action="repaired", repair=fixed,
+                       checked=model.size, adopted=adopted)
+
+
+def stage(volume: Volume, src_dir: str, *, name: str | None = None,
+          revision: str | None = "", fingerprint: str = "sample", replace: bool = False,
+          threads: int | None = None, progress: Progress | None = None) -> StageResult:
+    """Copy ``src_dir`` into the volume as model ``name`` (default: the directory name).
+
+    ``revision=None`` records the source's fingerprint in mode ``fingerprint`` (what the
+    staging sidecar records without ``--revision``), and adopts a model of that name
+    staged without a revision when its copy has that fingerprint. A committed model of
+    the same revision and files is checked chunk by chunk and repaired (:func:`repair`),
+    never copied whole again.
+    """
     if not volume.writable:
         raise ReadOnlyVolumeError(
             f"{volume.source} is opened read-only; staging needs a writable volume")
     started = time.monotonic()
     name = name or os.path.basename(os.path.normpath(src_dir))
     sources = scan_source(src_dir)
+    fingerprinted = revision is None
+    if revision is None:
+        revision = source_fingerprint(sources, fingerprint, threads)
     index = _open_index(volume, replace)
     existing = index.find(name)
     if existing is not None and existing.state == COMMITTED:
+        adopted = fingerprinted and adopt(volume, index, existing, sources, revision,
+                                          fingerprint, threads)
         if existing.revision == revision and _same_files(existing, sources):
-            return StageResult(existing, 0, existing.size, time.monotonic() - started,
-                               already=True)
+            return _check_committed(volume, index, existing, sources, threads, progress,
+                                    started, adopted)
         raise LayoutError(
             f"the volume already holds model {existing.label()}; staging "
             f"{name}@{revision or '-'} over it needs --replace (which discards every "
@@ -298,19 +451,21 @@ def stage(volume: Volume, src_dir: str, *, name: str | None = None, revision: st
     write_index(volume, index, commit=True)
     volume.sync()  # an image file: fsync (data, size, allocation)
     failpoints.hit(failpoints.WEIGHTS_AFTER_COMMIT)
-    return StageResult(model, total - reused, reused, time.monotonic() - started)
+    return StageResult(model, total - reused, reused, time.monotonic() - started,
+                       action="resumed" if resume else "staged")
 
 
-def verify(volume: Volume, name: str | None = None, *, threads: int | None = None,
-           progress: Progress | None = None) -> dict[str, list[checksum.Mismatch]]:
-    """Problems per committed model (all of them, or the one named)."""
+def verify_models(volume: Volume, name: str | None = None, *, threads: int | None = None,
+                  progress: Progress | None = None
+                  ) -> list[tuple[ModelEntry, list[checksum.Mismatch]]]:
+    """Each committed model (all of them, or the one named) with its problems."""
     index = read_index(volume)
     if index is None:
         raise LayoutError(f"{volume.source} holds no staged model")
     models = [index.select(name)] if name else index.committed()
     if not models:
         index.select()  # raises the right "not committed" message
-    out = {}
+    out = []
     total = sum(m.size for m in models)
     done = [0]
 
@@ -320,9 +475,16 @@ def verify(volume: Volume, name: str | None = None, *, threads: int | None = Non
             progress(done[0], total, "verifying")
 
     for m in models:
-        out[m.label()] = checksum.verify_chunks(volume, checksum.model_chunks(m),
-                                                threads=threads, progress=tick)
+        out.append((m, checksum.verify_chunks(volume, checksum.model_chunks(m),
+                                              threads=threads, progress=tick)))
     return out
+
+
+def verify(volume: Volume, name: str | None = None, *, threads: int | None = None,
+           progress: Progress | None = None) -> dict[str, list[checksum.Mismatch]]:
+    """Problems per committed model's label (all of them, or the one named)."""
+    return {m.label(): bad for m, bad in verify_models(volume, name, threads=threads,
+                                                       progress=progress)}
 
 
 def export(volume: Volume, dest: str, name: str | None = None, *, overwrite: bool = False,

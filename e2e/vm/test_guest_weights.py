@@ -87,7 +87,7 @@ def test_power_cut_leaves_the_model_committed_or_resumable(name: str) -> None:
     if entry["expect"] != "either":
         assert state == entry["expect"], (entry, state)
     if state == layout.COMMITTED:
-        assert "m: OK" in wg.cli("verify", dev, "-q").stdout
+        assert wg.verified(dev, "m")
         fact["tensors_bit_exact"] = wg.assert_loads_bit_exact(dev, model)
         fact["outcome"] = "committed and verifying"
     else:
@@ -95,11 +95,11 @@ def test_power_cut_leaves_the_model_committed_or_resumable(name: str) -> None:
             load_numpy(dev)
         refused = wg.cli("verify", dev, "-q", rc=None)
         assert refused.returncode != 0
-        out = wg.cli("stage", model, dev, "--name", "m", "-q").stdout
+        out = wg.cli("stage", model, dev, "--name", "m", "-q", "-o", "table").stdout
         reused = re.search(r"copied, (.*?) reused", out)
         fact["resume"] = out.splitlines()[0]
         fact["reused"] = reused.group(1) if reused else "?"
-        assert "m: OK" in wg.cli("verify", dev, "-q").stdout
+        assert wg.verified(dev, "m")
         fact["tensors_bit_exact"] = wg.assert_loads_bit_exact(dev, model)
         fact["outcome"] = "not committed, refused by loads, resumed and verifying"
     FACTS.setdefault("power_cut", {})[name] = fact

@@ -111,6 +111,12 @@ def first_weight_offset(volume: str, name: str) -> int:
         return f.offset + f.length - 1
 
 
+def verified(volume: str, name: str) -> bool:
+    """``verify`` (its JSON, -o json) passed and checked model ``name``."""
+    doc = json.loads(cli("verify", volume, "-q", "-o", "json").stdout)
+    return doc["ok"] and name in [m["model"] for m in doc["models"]]
+
+
 def flip_byte(volume: str, offset: int) -> None:
     with open_volume(volume, writable=True) as v:
         v.buffer[offset] ^= 0xFF
@@ -121,23 +127,26 @@ def workflow(volume: str, model: Path, work: Path, *, name: str = "m") -> dict[s
     """stage, verify, ls, export byte-identical, CPU load bit-exact, restage (nothing
     copied), a flipped byte caught by verify and repaired by a restage; returns what
     the closing report needs (the persist primitive, counts)."""
-    out = cli("stage", model, volume, "--name", name, "-q").stdout
+    out = cli("stage", model, volume, "--name", name, "-q", "-o", "table").stdout
     fact: dict[str, Any] = {"persist": persisted_with(out), "stage": out.splitlines()[0]}
-    assert f"{name}: OK" in cli("verify", volume, "-q").stdout
+    assert verified(volume, name)
     assert name in cli("ls", volume).stdout
     export = work / f"export-{name}"
     shutil.rmtree(export, ignore_errors=True)
     cli("export", volume, export, "--model", name, "-q")
     assert lm.tree_digest(export) == lm.tree_digest(model), "export differs from the source"
     fact["tensors"] = assert_loads_bit_exact(volume, model, name)
-    again = cli("stage", model, volume, "--name", name, "-q").stdout
+    again = cli("stage", model, volume, "--name", name, "-q", "-o", "table").stdout
     assert "already staged" in again and "nothing copied" in again, again
     off = first_weight_offset(volume, name)
     flip_byte(volume, off)
-    bad = cli("verify", volume, "-q", rc=EXIT_MISMATCH).stdout
+    bad = cli("verify", volume, "-q", "-o", "table", rc=EXIT_MISMATCH).stdout
     assert "bad chunk" in bad, bad
-    flip_byte(volume, off)
-    assert f"{name}: OK" in cli("verify", volume, "-q").stdout
+    # stage copies again only the damaged chunk, and says how many bytes it copied.
+    repair = cli("stage", model, volume, "--name", name, "-q", "-o", "table").stdout
+    assert repair.startswith("repaired ") and ": 1 chunk of 1 file, " in repair, repair
+    fact["repair"] = repair.splitlines()[0]
+    assert verified(volume, name)
     return fact
 
 

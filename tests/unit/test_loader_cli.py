@@ -3,6 +3,7 @@ CPU-only smoke runs (what CI can run without a GPU)."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from csi_pmem.loader import cli as weights_cli
 from csi_pmem.loader import load_numpy, open_volume, progress
@@ -33,13 +35,14 @@ def test_stage_ls_verify_export(tmp_path, capsys):
     lm.sharded_model(tmp_path / "src")
     vol = tmp_path / "vol.img"
     assert cli("stage", tmp_path / "src", vol, "--size", "64Mi", "--name", "llm",
-               "--revision", "r1") == 0
+               "--revision", "r1", "-o", "table") == 0
     out, err = capsys.readouterr()
     assert "staged llm@r1: 6 files" in out and err == ""  # stderr is no terminal here
-    assert cli("stage", tmp_path / "src", vol, "--name", "llm", "--revision", "r1") == 0
+    assert cli("stage", tmp_path / "src", vol, "--name", "llm", "--revision", "r1",
+               "-o", "table") == 0
     assert "already staged" in capsys.readouterr().out
 
-    assert cli("ls", vol) == 0
+    assert cli("ls", vol, "-o", "table") == 0
     out = capsys.readouterr().out
     assert "llm@r1  [committed]  6 files" in out and "tokenizer/vocab.txt" in out
     assert cli("ls", vol, "--json") == 0
@@ -47,7 +50,7 @@ def test_stage_ls_verify_export(tmp_path, capsys):
     assert doc["models"][0]["state"] == "committed"
     assert all(len(d) == 64 for d in doc["models"][0]["digests"].values())
 
-    assert cli("verify", vol, "-q") == 0
+    assert cli("verify", vol, "-q", "-o", "table") == 0
     assert "llm@r1: OK" in capsys.readouterr().out
     assert cli("export", vol, tmp_path / "out", "-q") == 0
     assert lm.tree_digest(tmp_path / "out") == lm.tree_digest(tmp_path / "src")
@@ -63,9 +66,10 @@ def test_progress_shows_rate_and_eta_when_asked(tmp_path, capsys, monkeypatch, b
         monkeypatch.setattr(progress, "_tqdm", lambda: None)
     lm.sharded_model(tmp_path / "src")
     vol = tmp_path / "vol.img"
-    assert cli("stage", tmp_path / "src", vol, "--size", "64Mi", "--progress") == 0
+    assert cli("stage", tmp_path / "src", vol, "--size", "64Mi", "--progress",
+               "-o", "table") == 0
     out, err = capsys.readouterr()
-    assert out.startswith("staged src:") and "%" not in out and "ETA" not in out
+    assert out.startswith("staged src@fp-") and "%" not in out and "ETA" not in out
     if bar == "tqdm":
         assert "stage: 100%|" in err and "B/s" in err, err
     else:
@@ -124,7 +128,7 @@ def test_verify_reports_damage_with_its_own_exit_code(tmp_path, capsys):
     with open(vol, "r+b") as fh:
         fh.seek(f.offset + 200)
         fh.write(b"\xaa\xbb\xcc")
-    assert cli("verify", vol, "-q") == weights_cli.EXIT_MISMATCH
+    assert cli("verify", vol, "-q", "-o", "table") == weights_cli.EXIT_MISMATCH
     assert "1 bad chunk(s)" in capsys.readouterr().out
 
 
@@ -235,3 +239,134 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
             proc.wait()
     assert proc.returncode == weights_cli.Exit.INTERRUPTED == 130, err
     assert err == "csi-pmem-weights: interrupted; run the same command again to resume\n"
+
+
+# --- stage repairs what verify finds ------------------------------------------------------
+
+def flip(vol: Path, offset: int) -> None:
+    with open(vol, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_stage_repairs_a_flipped_byte_copying_only_its_chunk(tmp_path, capsys, monkeypatch):
+    """verify exits 3 and export refuses; stage then copies the one damaged 64 MiB chunk
+    again (here the file's last, 4 MiB), not the file, and says how many bytes."""
+    lm.large_model(tmp_path / "m", 132 * lm.MiB)  # chunks of 64, 64 and 4 MiB
+    vol = tmp_path / "vol.img"
+    assert cli("stage", tmp_path / "m", vol, "--size", "160Mi", "-q") == 0
+    capsys.readouterr()
+    with open_volume(vol) as v:
+        (f,) = layout.read_index(v).models[0].files
+    last = f.length - 2 * layout.CHUNK_SIZE
+    flip(vol, f.offset + f.length - 1000)
+    assert cli("verify", vol, "-q", "-o", "table") == weights_cli.EXIT_MISMATCH
+    assert "1 bad chunk(s)" in capsys.readouterr().out
+    assert cli("export", vol, tmp_path / "out", "-q") == 1
+    assert "stage the model again" in capsys.readouterr().err
+
+    read = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: read.append(
+        sum(len(b) for b in bufs)) or real(fd, bufs, off))
+    assert cli("stage", tmp_path / "m", vol, "-q", "-o", "json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["action"] == "repaired" and doc["copied"] == sum(read) == last
+    assert doc["repaired"] == {"chunks": 1, "files": ["model.safetensors"],
+                               "whole_files": [], "bytes": last}
+    assert doc["reused"] == f.length - last and doc["checked"] == f.length
+    assert cli("verify", vol, "-q", "-o", "json") == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+
+    flip(vol, f.offset + 5)  # the first chunk this time: the table says what it copied
+    assert cli("stage", tmp_path / "m", vol, "-q", "-o", "table") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("repaired m@fp-"), out
+    assert (": 1 chunk of 1 file, 64.0 MiB (67108864 bytes) copied (68.0 MiB "
+            f"({f.length - layout.CHUNK_SIZE} bytes) checked intact)") in out, out
+    assert cli("export", vol, tmp_path / "out", "-q") == 0
+    assert lm.tree_digest(tmp_path / "out") == lm.tree_digest(tmp_path / "m")
+    assert cli("stage", tmp_path / "m", vol, "-q", "-o", "table") == 0
+    assert "every chunk checked, nothing copied" in capsys.readouterr().out
+
+
+def test_a_source_that_no_longer_holds_the_staged_bytes_is_copied_whole(tmp_path, capsys):
+    """Same revision named by hand, other bytes in the source: the damaged chunk read
+    again does not match its checksum, so the file is copied again whole (new checksums)
+    and the copy is the source's."""
+    lm.save_numpy_model(tmp_path / "src", lm.numpy_tensors())
+    vol = tmp_path / "vol.img"
+    assert cli("stage", tmp_path / "src", vol, "--size", "64Mi", "--revision", "r1",
+               "-q") == 0
+    with open_volume(vol) as v:
+        f = layout.read_index(v).models[0].safetensors[0]
+    flip(vol, f.offset + f.length - 1)
+    flip(tmp_path / "src" / f.name, f.length - 1)
+    capsys.readouterr()
+    assert cli("stage", tmp_path / "src", vol, "--revision", "r1", "-q", "-o", "json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["repaired"]["whole_files"] == [f.name]
+    assert doc["copied"] == 2 * f.length  # the chunk (the whole file here), then the file
+    assert cli("export", vol, tmp_path / "out", "-q") == 0
+    assert lm.tree_digest(tmp_path / "out") == lm.tree_digest(tmp_path / "src")
+
+
+# --- one -o across both command lines -------------------------------------------------------
+
+def test_output_formats_and_the_json_alias(tmp_path, capsys, monkeypatch):
+    lm.sharded_model(tmp_path / "src")
+    vol = lm.staged_volume(tmp_path / "src", tmp_path / "vol")
+    outputs = {}
+    for fmt in ("table", "json", "yaml", "name"):
+        assert cli("ls", vol, "-o", fmt) == 0
+        outputs[fmt] = capsys.readouterr().out
+    assert outputs["name"] == "m\n"
+    assert json.loads(outputs["json"])["models"][0]["name"] == "m"
+    assert yaml.safe_load(outputs["yaml"]) == json.loads(outputs["json"])
+    assert "m  [committed]" in outputs["table"]
+    assert cli("ls", vol, "--json") == 0
+    assert capsys.readouterr().out == outputs["json"]
+    # No -o: JSON when stdout is no terminal (as here), a table on one; csi-pmem's rule.
+    assert cli("ls", vol) == 0
+    assert capsys.readouterr().out == outputs["json"]
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert cli("ls", vol) == 0
+    assert capsys.readouterr().out == outputs["table"]
+    assert cli("verify", vol, "-q", "-o", "name") == 0
+    assert capsys.readouterr().out == "m\n"
+    assert cli("stage", tmp_path / "src", vol, "--name", "m", "-q", "-o", "name") == 0
+    assert capsys.readouterr().out == "m\n"
+    assert cli("export", vol, tmp_path / "out", "-q", "-o", "name") == 0
+    written = capsys.readouterr().out.split()
+    assert sorted(written) == sorted(str(p) for p in (tmp_path / "out").rglob("*")
+                                     if p.is_file())
+    with pytest.raises(SystemExit) as usage:  # bench answers with no names
+        cli("bench", vol, "-o", "name")
+    assert usage.value.code == 2
+
+
+def test_yaml_without_pyyaml_says_what_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "yaml", None)  # an install without PyYAML
+    assert cli("ls", tmp_path / "missing.img", "-o", "yaml") == 1
+    err = capsys.readouterr().err
+    assert "-o yaml needs PyYAML" in err and "pip install pyyaml" in err
+
+
+def test_both_command_lines_share_the_output_flag(monkeypatch):
+    """csi-pmem volume and csi-pmem-weights offer the same -o, with the same default."""
+    from csi_pmem import cli as volume_cli
+    from csi_pmem.client import output
+
+    def choices(parser, *argv):
+        for sub in argv:
+            parser = next(a for a in parser._actions
+                          if isinstance(a, argparse._SubParsersAction)).choices[sub]
+        return next(a for a in parser._actions if "-o" in a.option_strings).choices
+
+    assert choices(weights_cli.build_parser(), "ls") == choices(
+        volume_cli.build_parser(), "volume", "list") == output.FORMATS
+    for tty, want in ((True, "table"), (False, "json")):
+        monkeypatch.setattr(sys.stdout, "isatty", lambda tty=tty: tty)
+        assert output.default_format() == weights_cli.default_output() == want

@@ -17,11 +17,13 @@ already holds what the source holds, and only copy when it does not:
   each tensor, up to 1024 tensors per file, plus 32 evenly spaced 4 KiB blocks and the
   tail of every file; small auxiliary files whole). That reads a few MiB of a 100 GB
   model. Re-hashing the whole source (what the staging checksums would need: they are
-  SHA-256 over 64 MiB chunks of every byte) costs minutes per pod start on network
+  wsum64 over 64 MiB chunks of every byte) costs minutes per pod start on network
   storage; mtimes are free but change with every copy or re-download, which would
   re-copy 100 GB for nothing. The sample catches a new fine-tune (every tensor
   changes, same names and sizes) and any header change; it misses a change confined to
   bytes no sample reaches, for which ``--revision`` or ``--fingerprint full`` exist.
+  ``csi-pmem-weights stage`` records the same fingerprint when given no revision
+  (:mod:`csi_pmem.loader.fingerprint`), so neither copies again what the other staged.
 - An already staged model is checked with its index (header checksum, committed flag,
   file list) and, by default, a sample of its checksum chunks of at most 256 MiB
   whatever the model's size (first chunks, which hold the safetensors headers, spread
@@ -45,7 +47,7 @@ other models it holds (older revisions of this one are released rather than kept
 the image has no room for both: growing to keep them would grow it at every new
 revision, since a model is placed after the last committed one), never shrunk.
 
-The package, one module per job: :mod:`.revision` (the fingerprint), :mod:`.lock`,
+The package, one module per job: :mod:`.revision` (the wanted revision), :mod:`.lock`,
 :mod:`.space` (revisions and space), :mod:`.verify`, :mod:`.reconcile` (one pass),
 :mod:`.status` (``/status``, failure kinds, progress), :mod:`.probes` (HTTP), :mod:`.metrics`,
 :mod:`.process` (threads and signals), :mod:`.cli`; :mod:`.events` is the log events.

@@ -1,4 +1,4 @@
-"""The sidecar's log events and the one error class of its own.
+"""The sidecar's log events, and the error class of a bad source.
 
 Why a module: every job of the sidecar (lock, space, staging, probes, the process) says
 what it does as an event, a message plus machine-readable fields on the one logger
@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from csi_pmem.weights.errors import LoaderError
+# The source's own error, raised by the fingerprint too; re-exported for the sidecar.
+from csi_pmem.loader.fingerprint import SourceError
+
+__all__ = ["SourceError", "event", "log"]
 
 log = logging.getLogger("csi_pmem.loader.sidecar")
-
-
-class SourceError(LoaderError):
-    """The model source is missing, empty or not valid safetensors."""
 
 
 def event(msg: str, level: int = logging.INFO, **fields: Any) -> None:

@@ -19,7 +19,7 @@ from csi_pmem.loader.sidecar.events import SourceError, event, log
 from csi_pmem.loader.sidecar.lock import volume_lock
 from csi_pmem.loader.sidecar.probes import ProbeServer
 from csi_pmem.loader.sidecar.reconcile import Outcome, ensure_model
-from csi_pmem.loader.sidecar.revision import fingerprint
+from csi_pmem.loader.sidecar.revision import wanted
 from csi_pmem.loader.sidecar.status import Progress, Status, classify, process_age
 from csi_pmem.loader.sidecar.verify import damage, verify_model
 from csi_pmem.loader.staging import open_for_staging, scan_source
@@ -97,10 +97,10 @@ class Sidecar:
             except LoaderError as exc:  # its messages name the file already
                 raise SourceError(str(exc)) from exc
         with self._phase("fingerprint"):
-            revision = cfg.revision or fingerprint(sources, cfg.fingerprint, cfg.threads)
+            revision, revision_from = wanted(cfg.revision, sources, cfg.fingerprint,
+                                             cfg.threads)
         st.update(revision=revision, bytes=sum(s.size for s in sources),
-                  revision_from="--revision" if cfg.revision else
-                  f"fingerprint ({cfg.fingerprint})")
+                  revision_from=revision_from)
         with self._phase("open"):
             volume, readonly_reason = _open_for_staging(cfg.volume)
         with volume, volume_lock(cfg.volume) as waited:
@@ -113,7 +113,8 @@ class Sidecar:
                     volume, cfg.source, sources, cfg.name, revision,
                     verify_mode=verify_mode or cfg.verify_on_start, threads=cfg.threads,
                     progress=Progress(st), readonly_reason=readonly_reason,
-                    on_phase=lambda name: st.update(state=name))
+                    on_phase=lambda name: st.update(state=name),
+                    fingerprint_mode=None if cfg.revision else cfg.fingerprint)
             finally:
                 self.busy.clear()
             writable = volume.writable

@@ -23,7 +23,7 @@ from csi_pmem.loader.sidecar.space import (
     same_files,
 )
 from csi_pmem.loader.sidecar.verify import damage, verify_model
-from csi_pmem.loader.staging import stage
+from csi_pmem.loader.staging import adopt, repair, stage
 from csi_pmem.weights import checksum
 from csi_pmem.weights.errors import ChecksumError, ReadOnlyVolumeError
 from csi_pmem.weights.layout import (
@@ -33,7 +33,6 @@ from csi_pmem.weights.layout import (
     SourceFile,
     read_index,
     required_size,
-    write_index,
 )
 from csi_pmem.weights.volume import Volume
 
@@ -55,7 +54,7 @@ class Outcome:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-_DOING = {"staged": "staging", "resumed": "resuming", "repaired": "repairing"}
+_DOING = {"staged": "staging", "resumed": "resuming"}
 
 
 def _needs_write(volume: Volume, why: str, readonly_reason: str) -> None:
@@ -77,18 +76,47 @@ def _timed_verify(volume: Volume, model: ModelEntry, mode: str, threads: int | N
         seconds["verify"] = seconds.get("verify", 0.0) + time.monotonic() - t
 
 
+def _repair(volume: Volume, index: Index, model: ModelEntry, sources: list[SourceFile],
+            threads: int | None, progress: Callable[[int, int, str], None] | None,
+            phase: Callable[[str], None], seconds: dict[str, float]) -> Outcome:
+    """Copy again only the damaged chunks (staging's :func:`repair`, which
+    ``csi-pmem-weights stage`` uses too), after a full check: a sample found damage,
+    and there may be more. What was copied again is then verified once more."""
+    phase("staging")
+    t = time.monotonic()
+    fixed = repair(volume, index, model, sources, threads=threads, progress=progress)
+    seconds["stage"] = time.monotonic() - t
+    phase("verifying")
+    t = time.monotonic()
+    again = [model.file(n) for n in fixed.files]
+    chunks = checksum.model_chunks(model, again)
+    bad = checksum.verify_chunks(volume, chunks, threads=threads)
+    seconds["verify"] = seconds.get("verify", 0.0) + time.monotonic() - t
+    if bad:
+        raise ChecksumError(damage(model, bad) + " right after repairing; the volume may "
+                            "have media errors (check the node's kernel log)")
+    return Outcome("repaired", model, copied=fixed.copied, reused=model.size - fixed.copied,
+                   released=drop_retired(volume, model.name), verify_mode="full",
+                   verified_bytes=fixed.checked + sum(c.length for c in chunks),
+                   seconds=seconds)
+
+
 def ensure_model(volume: Volume, source: str, sources: list[SourceFile], name: str,
                  revision: str, *, verify_mode: str = "sample", threads: int | None = None,
                  progress: Callable[[int, int, str], None] | None = None,
                  readonly_reason: str = "",
-                 on_phase: Callable[[str], None] | None = None) -> Outcome:
+                 on_phase: Callable[[str], None] | None = None,
+                 fingerprint_mode: str | None = None) -> Outcome:
     """Make ``name@revision`` the committed, verified model ``name`` on the volume.
 
     Writes nothing when it already is (a warm restart); otherwise stages, resumes,
     repairs or restores it (see :class:`Outcome`) under the rules in the package
     docstring (:mod:`csi_pmem.loader.sidecar`). Raises a :class:`LoaderError` that
     says what to change when it cannot.
-    ``on_phase`` hears "staging" and "verifying" as they start.
+    ``on_phase`` hears "staging" and "verifying" as they start. ``fingerprint_mode``
+    says that ``revision`` is the sources' fingerprint in that mode: a model ``name``
+    staged without a revision (by an earlier ``csi-pmem-weights stage``) whose copy has
+    that fingerprint is then adopted (its revision recorded), not copied again.
     """
     phase = on_phase or (lambda _: None)
     seconds: dict[str, float] = {}
@@ -97,6 +125,10 @@ def ensure_model(volume: Volume, source: str, sources: list[SourceFile], name: s
     seconds["index"] = time.monotonic() - t
     current = index.find(name)
     label = f"{name}@{revision}"
+    if (fingerprint_mode and current is not None and volume.writable
+            and adopt(volume, index, current, sources, revision, fingerprint_mode, threads)):
+        event("the volume holds the source's content staged without a revision; "
+              "recorded its fingerprint", model=label)
     if is_wanted(current, revision, sources):
         assert current is not None
         bad, hashed = _timed_verify(volume, current, verify_mode, threads, seconds)
@@ -105,11 +137,9 @@ def ensure_model(volume: Volume, source: str, sources: list[SourceFile], name: s
             return Outcome("already-staged", current, reused=current.size, released=released,
                            verify_mode=verify_mode, verified_bytes=hashed, seconds=seconds)
         _needs_write(volume, damage(current, bad), readonly_reason)
-        event("the staged copy is damaged; copying the damaged files again",
+        event("the staged copy is damaged; copying the damaged chunks again",
                logging.WARNING, model=label, bad_chunks=len(bad), first=str(bad[0]))
-        current.state = STAGING  # loads refuse it until the repair commits
-        write_index(volume, index)
-        action, plan = "repaired", SpacePlan("fresh")
+        return _repair(volume, index, current, sources, threads, progress, phase, seconds)
     else:
         what = (f"the volume holds {current.label()} ({current.state})"
                 if current is not None else "the volume does not hold it")
