@@ -52,13 +52,18 @@ DEFAULTS = {
     "gpu_copy_socket": "",
     "device_node": "off",
     "emulated_media": "auto",
+    "daxctl": "daxctl",
+    "cxl": "cxl",
+    "dax_setup": "off",
 }
 HELP = {
     "endpoint": "gRPC endpoint: unix:///path/csi.sock or tcp://127.0.0.1:PORT",
     "node_id": "node id reported to the CO (default: the host name)",
     "driver_name": "CSI driver name; also the topology key prefix (<name>/node)",
     "state_dir": "directory for per-volume state records",
-    "backend": "ndctl (real NVDIMM regions) or emulated (file-backed pools)",
+    "backend": "ndctl (NVDIMM and CXL persistent memory regions), daxctl (dynamic dax "
+               "regions: soft-reserved and CXL volatile memory), both as ndctl,daxctl, or "
+               "emulated (file-backed pools)",
     "metrics_address": "host:port to serve Prometheus /metrics on (empty: off)",
     "log_format": "text or json",
     "log_level": "debug, info, warning or error",
@@ -94,12 +99,21 @@ HELP = {
                       "lost), persistent (they survive: a volume found gone stays abnormal, "
                       "never recreated) or auto (volatile when the emulated root is on "
                       "tmpfs, ramfs or hugetlbfs, persistent otherwise)",
+    "daxctl": "path of the daxctl binary (daxctl back end)",
+    "cxl": "path of the cxl binary, used to say why a CXL node has no dax region",
+    "dax_setup": "off: dax regions onlined as system RAM or held by the kernel's boot-time "
+                 "device are only reported; reconfigure: the driver hands that device "
+                 "(daxN.0) back to device-dax, offlining its memory, and shrinks it so the "
+                 "region can be carved",
 }
-CHOICES = {"backend": ("ndctl", "emulated"), "log_format": ("text", "json"),
+# Several kinds of pool on one node: ndctl and daxctl together (composite back end).
+BACKENDS = ("ndctl", "daxctl", "ndctl,daxctl", "emulated")
+CHOICES = {"backend": BACKENDS, "log_format": ("text", "json"),
            "emulated_device": ("file", "loop"), "emulated_free_space": ("fresh", "reuse"),
            "erase_verify": ("sampled", "full", "off"), "scrub": ("auto", "off"),
            "log_level": ("debug", "info", "warning", "error"), "device_node": ("off", "on"),
-           "emulated_media": ("auto", "persistent", "volatile")}
+           "emulated_media": ("auto", "persistent", "volatile"),
+           "dax_setup": ("off", "reconfigure")}
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,13 @@ class ServeConfig:
     scrub: str = "auto"
     device_node: str = "off"
     emulated_media: str = "auto"
+    daxctl: str = "daxctl"
+    cxl: str = "cxl"
+    dax_setup: str = "off"
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return tuple(self.backend.split(","))
 
 
 @dataclass(frozen=True)
@@ -162,6 +183,7 @@ def endpoint(text: str) -> str:
     return text
 
 
+
 # How a value's text is read, for the command line (argparse) and for the environment
 # and the defaults (from_args) alike; a key without an entry is text, checked against
 # CHOICES when it has some.
@@ -172,6 +194,7 @@ TYPES: dict[str, Callable[[str], Any]] = {
     "device_poll_seconds": non_negative_seconds, "erase_wait_seconds": non_negative_seconds,
     "delete_wait_seconds": non_negative_seconds,
 }
+
 
 
 def flag(key: str) -> str:

@@ -71,10 +71,7 @@ from csi_pmem.errors import (
 )
 from csi_pmem.gpucopy.link import ServiceLink
 from csi_pmem.sizes import (
-    allocation_for,
-    allocation_step,
     describe_size,
-    devdax_usable,
     format_bytes,
     round_down,
 )
@@ -176,11 +173,12 @@ class Driver(Deletion, VolatileRecovery):
 
     @staticmethod
     def _usable_in(nbytes: int, pool: Pool, align: int) -> int:
-        return devdax_usable(round_down(nbytes, allocation_step(align, pool.align)), align)
+        return pool.usable_in(nbytes, align)
 
     def _pools_for(self, params: VolumeParams) -> list[Pool]:
         return [p for p in self.backend.pools() if not p.problem_for(params.device_mode)
-                and (params.numa_node is None or p.numa_node == params.numa_node)]
+                and (params.numa_node is None or p.numa_node == params.numa_node)
+                and params.accepts_media(p.media)]
 
     # ------------------------------------------------------------------ create
     def create_volume(self, name: str, required: int, limit: int,
@@ -296,13 +294,22 @@ class Driver(Deletion, VolatileRecovery):
                 f"this node ({self.config.node_id}) has no persistent memory on NUMA node "
                 f"{params.numa_node} (it has NUMA nodes {have}); the scheduler should pick "
                 "another node")
+        kinds = [p for p in candidates if params.accepts_media(p.media)]
+        if not kinds:
+            have_media = ", ".join(sorted(f"{p.name}: {p.media}" for p in candidates))
+            raise ResourceExhausted(
+                f"this node ({self.config.node_id}) has no {params.media} pool"
+                + ("" if params.numa_node is None else f" on NUMA node {params.numa_node}")
+                + f" (its pools: {have_media}); the scheduler should pick another node, "
+                "or use a StorageClass with media: any")
+        candidates = kinds
         usable_pools = [p for p in candidates if not p.problem_for(params.device_mode)]
         if not usable_pools:
             raise Unavailable(f"no region can carve a {params.device_mode} volume: " + "; ".join(
                 f"{p.name}: {p.problem_for(params.device_mode)}" for p in candidates))
         sized = []
         for p in usable_pools:
-            size, usable = allocation_for(request, params.align, p.align)
+            size, usable = p.allocation(request, params.align)
             capacity = promised_size(usable, limit, params.align)
             if capacity < request:
                 raise OutOfRange(
@@ -331,7 +338,9 @@ class Driver(Deletion, VolatileRecovery):
 
     def _check_compatible(self, rec: VolumeRecord, name: str, required: int, limit: int,
                           params: VolumeParams) -> None:
-        problems = params.compatible_with(rec.params, rec.numa_node)
+        pool = self._pool_of(rec)
+        problems = params.compatible_with(rec.params, rec.numa_node,
+                                          media=pool.media if pool is not None else None)
         if rec.usable_size < required:
             problems.append(f"size: existing {describe_size(rec.usable_size)}, requested "
                             f"{describe_size(required)}")

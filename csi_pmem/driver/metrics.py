@@ -109,7 +109,9 @@ class PoolCollector:
         usable = GaugeMetricFamily(
             "csi_pmem_pool_usable", "1 when volumes can be carved from the region, else 0; "
             "reason names why not (label_less, misaligned, disabled, read_only, mode, "
-            "overcommitted, listing_failed; ok when usable): the driver log says how to fix it",
+            "overcommitted; for dax regions no_dax_region, system_ram, foreign_device, "
+            "cxl_no_region; listing_failed; ok when usable): the driver log says how to fix "
+            "it",
             labels=[*labels, "reason"])
         volatile = GaugeMetricFamily(
             "csi_pmem_pool_volatile", "1 when the region is volatile memory (its volumes "

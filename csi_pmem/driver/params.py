@@ -19,7 +19,13 @@ DEVICE_MODE = "deviceMode"
 NUMA_NODE = "numaNode"
 ALIGN = "align"
 ERASE_ON_DELETE = "eraseOnDelete"
-VALID_KEYS = (DEVICE_MODE, NUMA_NODE, ALIGN, ERASE_ON_DELETE)
+MEDIA = "media"
+VALID_KEYS = (DEVICE_MODE, NUMA_NODE, ALIGN, ERASE_ON_DELETE, MEDIA)
+# What a node restart may do to the volume's pool (backends.base.Pool.media): persistent
+# (NVDIMM, CXL pmem: contents survive), volatile (soft-reserved, CXL ram, memory-backed
+# emulated pools: the volume comes back empty), or any pool.
+MEDIA_ANY = "any"
+MEDIA_VALUES = ("persistent", "volatile", MEDIA_ANY)
 DEVDAX, FSDAX = "devdax", "fsdax"
 DEVICE_MODES = (DEVDAX, FSDAX)
 # Keys that only mean something for one device mode: a class that sets them for the
@@ -41,31 +47,46 @@ class VolumeParams:
     numa_node: int | None = None  # None means "auto": the driver picks the pool
     align: int = DEVDAX_ALIGNS["2Mi"]
     erase_on_delete: bool = True
+    media: str = MEDIA_ANY
     co_labels: Mapping[str, str] = field(default_factory=dict, compare=False)
 
-    def compatible_with(self, stored: Mapping[str, str], numa_node: int | None) -> list[str]:
+    def accepts_media(self, media: str) -> bool:
+        """Whether a pool of ``media`` (persistent or volatile) may hold this volume."""
+        return self.media == MEDIA_ANY or self.media == media
+
+    def compatible_with(self, stored: Mapping[str, str], numa_node: int | None,
+                        media: str | None = None) -> list[str]:
         """How a volume created with the parameters ``stored`` (its record's map) and
         placed on ``numa_node`` differs from these; empty when it satisfies them.
 
         Why one rule: CreateVolume's idempotency check and ValidateVolumeCapabilities
         must agree. ``numaNode: auto`` accepts any node; a number must be the node the
-        volume is on (also when it was created with auto and landed there).
+        volume is on (also when it was created with auto and landed there). ``media``
+        likewise: ``any`` accepts any; a kind must be the media of the volume's pool
+        (``media``, when the caller knows it), else the one its class asked for.
         """
         want = self.to_dict()
         have: dict[str, str | None] = dict(stored)
         have[NUMA_NODE] = have.get(NUMA_NODE) if numa_node is None else str(numa_node)
         if self.numa_node is None:
             want.pop(NUMA_NODE)
+        if self.media == MEDIA_ANY:
+            want.pop(MEDIA, None)
+        elif media is not None:
+            have[MEDIA] = media
         return [f"{k}: the volume's {have.get(k)!r}, requested {v!r}"
                 for k, v in want.items() if have.get(k) != v]
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             DEVICE_MODE: self.device_mode,
             NUMA_NODE: "auto" if self.numa_node is None else str(self.numa_node),
             ALIGN: format_bytes(self.align),
             ERASE_ON_DELETE: "true" if self.erase_on_delete else "false",
         }
+        if self.media != MEDIA_ANY:  # records of "any" volumes stay as they always were
+            out[MEDIA] = self.media
+        return out
 
 
 def parse(parameters: Mapping[str, str]) -> VolumeParams:
@@ -96,6 +117,7 @@ def parse(parameters: Mapping[str, str]) -> VolumeParams:
         numa_node=_numa(parameters.get(NUMA_NODE, "auto")),
         align=align,
         erase_on_delete=_bool(ERASE_ON_DELETE, parameters.get(ERASE_ON_DELETE, "true")),
+        media=_media(parameters.get(MEDIA, MEDIA_ANY)),
         co_labels={k: v for k, v in parameters.items() if k.startswith(CO_PREFIX)},
     )
 
@@ -114,6 +136,17 @@ def _numa(value: str) -> int | None:
     if len(digits) > 18:
         raise InvalidArgument(f"invalid numaNode {value!r}: out of range for a NUMA node id")
     return int(digits)
+
+
+def _media(value: str) -> str:
+    text = str(value).strip().lower()
+    if text not in MEDIA_VALUES:
+        raise InvalidArgument(
+            f"invalid media {value!r}: use persistent (NVDIMM or CXL persistent memory: "
+            "contents survive a node restart), volatile (soft-reserved or CXL volatile "
+            "memory, memory-backed emulated pools: the volume comes back empty after a "
+            "node restart) or any (the default)")
+    return text
 
 
 def _align(value: str) -> int:

@@ -42,10 +42,25 @@ log = logging.getLogger(__name__)
 
 
 def make_backend(cfg: ServeConfig, mounter: Mounter) -> Backend:
-    if cfg.backend == "ndctl":
+    """The back end ``--backend`` names; several (``ndctl,daxctl``) behind one
+    :class:`~csi_pmem.driver.backends.composite.CompositeBackend`."""
+    if len(cfg.backends) > 1:
+        from csi_pmem.driver.backends.composite import CompositeBackend
+
+        return CompositeBackend([_one_backend(cfg, name, mounter) for name in cfg.backends])
+    return _one_backend(cfg, cfg.backend, mounter)
+
+
+def _one_backend(cfg: ServeConfig, name: str, mounter: Mounter) -> Backend:
+    if name == "ndctl":
         from csi_pmem.driver.backends.ndctl import NdctlBackend
 
         return NdctlBackend(ndctl=cfg.ndctl)
+    if name == "daxctl":
+        from csi_pmem.driver.backends.daxctl import DaxctlBackend
+
+        return DaxctlBackend(daxctl=cfg.daxctl, cxl=cfg.cxl, setup=cfg.dax_setup,
+                             state_path=os.path.join(cfg.state_dir, "daxctl-devices.json"))
     from csi_pmem.driver.backends.emulated import EmulatedBackend, parse_regions
 
     return EmulatedBackend(cfg.emulated_root, parse_regions(cfg.emulated_regions),
@@ -114,8 +129,8 @@ class Server:
             log.warning("%s: %s", "not ready" if not ok else "serving with problems", reason)
         self.grpc.add_insecure_port(address)
         self.grpc.start()
-        if self.cfg.backend == "ndctl":
-            self._start_watcher()
+        if "ndctl" in self.cfg.backends or "daxctl" in self.cfg.backends:
+            self._start_watcher()  # nd and dax uevents
         log.info("csi-pmem %s serving %s on %s (node %s, back end %s, %s) in %.2f s",
                  self.cfg.driver_name, "Identity/Controller/Node", self.cfg.endpoint,
                  self.cfg.node_id, self.cfg.backend, f"{'ready' if ok else 'NOT READY'}: {reason}",

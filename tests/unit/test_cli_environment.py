@@ -74,7 +74,7 @@ def test_the_examples_from_the_operator(no_start, monkeypatch, capsys):
              "CSI_PMEM_LOG_LEVEL: invalid choice 'nonsense' (use one of debug, info, "
              "warning, error)\n"),
             ("CSI_PMEM_BACKEND", "foo", "csi-pmem: environment variable CSI_PMEM_BACKEND: "
-             "invalid choice 'foo' (use one of ndctl, emulated)\n"),
+             "invalid choice 'foo' (use one of ndctl, daxctl, ndctl,daxctl, emulated)\n"),
             ("CSI_PMEM_ERASE_WORKERS", "x", "csi-pmem: environment variable "
              "CSI_PMEM_ERASE_WORKERS: 'x' is not a positive whole number\n")]:
         monkeypatch.setenv(name, value)

@@ -44,6 +44,7 @@ import abc
 from dataclasses import asdict, dataclass
 
 from csi_pmem.errors import FailedPrecondition
+from csi_pmem.sizes import allocation_for, allocation_step, devdax_usable, round_down, round_up
 
 # Why a region is unusable, as metrics say it (``csi_pmem_pool_usable{reason}``): a
 # closed set, so an alert can match on it and the label stays low-cardinality.
@@ -53,8 +54,14 @@ REASON_MISALIGNED = "misaligned"
 REASON_READ_ONLY = "read_only"
 REASON_MODE = "mode"  # the kernel offers neither devdax nor fsdax instances
 REASON_OVERCOMMITTED = "overcommitted"  # namespaces use more than the region holds
+# Dynamic dax regions (the daxctl back end): firmware and node set-up states.
+REASON_NO_DAX_REGION = "no_dax_region"  # no memory marked soft-reserved, no region at all
+REASON_SYSTEM_RAM = "system_ram"        # the region is onlined as system RAM (kmem)
+REASON_FOREIGN_DEVICE = "foreign_device"  # a device the kernel made holds all of it
+REASON_CXL_NO_REGION = "cxl_no_region"  # CXL memory devices with decoders but no region
 REASONS = (REASON_DISABLED, REASON_LABEL_LESS, REASON_MISALIGNED, REASON_READ_ONLY,
-           REASON_MODE, REASON_OVERCOMMITTED)
+           REASON_MODE, REASON_OVERCOMMITTED, REASON_NO_DAX_REGION, REASON_SYSTEM_RAM,
+           REASON_FOREIGN_DEVICE, REASON_CXL_NO_REGION)
 
 # What a node restart does to a region's contents (``Pool.media``, module docstring).
 PERSISTENT = "persistent"
@@ -83,6 +90,10 @@ class Pool:
     # PERSISTENT or VOLATILE; persistent unless the back end says otherwise, the side
     # on which a lost volume is reported rather than recreated empty.
     media: str = PERSISTENT
+    # True where a devdax device keeps its struct pages on the memory itself (ndctl's
+    # map=dev: 1/64 of the namespace); False where they live in system RAM (a device of
+    # a dynamic dax region), so its usable size is its raw size.
+    struct_pages_on_media: bool = True
 
     @property
     def usable(self) -> bool:
@@ -95,6 +106,18 @@ class Pool:
     def problem_for(self, mode: str) -> str | None:
         """Why no ``mode`` namespace can be carved here (None when it can)."""
         return self.problem or dict(self.mode_problems).get(mode)
+
+    def allocation(self, request: int, align: int) -> tuple[int, int]:
+        """(raw size, usable size) of the smallest volume here offering ``request``."""
+        if self.struct_pages_on_media:
+            return allocation_for(request, align, self.align)
+        size = round_up(max(request, 1), allocation_step(align, self.align))
+        return size, size
+
+    def usable_in(self, nbytes: int, align: int) -> int:
+        """Usable bytes of a volume carved from ``nbytes`` of free space here."""
+        size = round_down(nbytes, allocation_step(align, self.align))
+        return devdax_usable(size, align) if self.struct_pages_on_media else size
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ The rules, each in one method, each called under the driver's node-wide lock:
   (a namespace made by hand, or a crash between the driver's own steps) only lowers the
   expectation. Orphans (namespaces named like volumes without a record) make their
   region dirty at start-up too.
+- A volatile pool (``Pool.media``) whose clean record predates this boot is dirty at
+  start-up: after a node restart its memory holds what the firmware, the kernel or a
+  tenant left there.
 - Only a scrub (:mod:`csi_pmem.driver.erasing.scrub`) makes a region clean: it covers
   all of the free space with scratch namespaces, zeroes them and destroys them. ``generation`` grows
   with every change to dirty, so a scrub that began before one cannot claim the region.
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 
 from csi_pmem.driver.backends.base import Backend, Pool
@@ -52,6 +56,15 @@ from csi_pmem.sizes import format_bytes
 log = logging.getLogger(__name__)
 
 FIRST_SEEN = "first seen by the driver: its free space may hold anything"
+
+
+def boot_time(proc: str = "/proc") -> float:
+    """When this boot began (Unix time); 0 when unknown (then nothing predates it)."""
+    try:
+        with open(f"{proc}/uptime") as f:
+            return time.time() - float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 class CleanSpace:
@@ -189,6 +202,12 @@ class CleanSpace:
             if orphans.get(pool.name):
                 self.mark_dirty(pool.name, "namespaces of unknown history: "
                                 + ", ".join(orphans[pool.name]))
+                continue
+            if pool.volatile and rec.clean and rec.updated_at < boot_time():
+                # Volatile memory after a node restart holds whatever the firmware, the
+                # kernel (kmem) or a tenant left: what the ledger knew is of another boot.
+                self.mark_dirty(pool.name, "volatile memory: the node restarted since "
+                                "its free space was known to be zero")
                 continue
             if not rec.scrub:
                 self.check(pool)
