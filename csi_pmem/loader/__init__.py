@@ -11,6 +11,11 @@ the mapping (CPU) or through pinned bounce buffers / a registered mapping (GPU,
     from csi_pmem.loader import load_safetensors, open_volume
     vol = open_volume("/models")                  # the pod's mount of the PVC
     weights = load_safetensors(vol, device="cuda:0")
+
+Servers: :func:`load_transformers` builds a transformers model from the staged config
+and adopts the weights (:mod:`.transformers`); vLLM gets ``--load-format csi-pmem``
+(:mod:`csi_pmem.integrations.vllm`); :func:`export_config` writes the staged config and
+tokenizer files to a directory (docs/inference.md).
 """
 
 from csi_pmem.loader.api import (
@@ -20,8 +25,10 @@ from csi_pmem.loader.api import (
     load_safetensors,
     start_load,
 )
+from csi_pmem.loader.auxfiles import export_config, read_aux
 from csi_pmem.loader.model import ModelView, open_model
 from csi_pmem.loader.staging import export, stage, verify
+from csi_pmem.loader.transformers import build_on_meta, fill_transformers, load_transformers
 from csi_pmem.weights.errors import (
     AlignmentError,
     ChecksumError,
@@ -38,6 +45,8 @@ from csi_pmem.weights.volume import Volume, open_volume
 __all__ = [
     "AlignmentError", "ChecksumError", "LayoutError", "LoadHandle", "LoaderError",
     "ModelView", "NoModelError", "ReadOnlyVolumeError", "SafetensorsFormatError", "Volume",
-    "VolumeError", "VolumeTooSmallError", "default_loader", "export", "load_numpy",
-    "load_safetensors", "open_model", "open_volume", "stage", "start_load", "verify",
+    "VolumeError", "VolumeTooSmallError", "build_on_meta", "default_loader", "export",
+    "export_config", "fill_transformers", "load_numpy", "load_safetensors",
+    "load_transformers", "open_model", "open_volume", "read_aux", "stage", "start_load",
+    "verify",
 ]

@@ -183,6 +183,18 @@ def _close_when_done(handle: LoadHandle, gpu: Any) -> None:
     handle.verified.add_done_callback(maybe_close)
 
 
+def _need_torch(device: str) -> None:
+    """torch is an extra (``loader`` is numpy only): say which, not a traceback."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        extra = "torch" if device == "cpu" else "gpu"
+        raise LoaderError(
+            f"loading torch tensors (device={device!r}) needs torch, which is not "
+            f"installed ({exc}): pip install 'csi-pmem[{extra}]', or load numpy arrays "
+            "with load_numpy() / framework='numpy'") from exc
+
+
 def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str = "cpu", *,
                model: str | None = None, names: Iterable[str] | None = None,
                predicate: Callable[[str], bool] | None = None, verify: bool = True,
@@ -206,6 +218,8 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
             raise LoaderError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
         if framework != "torch":
             raise LoaderError(f"device {device!r} needs framework='torch'")
+    if framework == "torch":
+        _need_torch(device)
     owned = not isinstance(volume, Volume | ModelView)
     view = volume if isinstance(volume, ModelView) else open_model(volume, model)
     selection = view.select(names, predicate)

@@ -42,7 +42,7 @@ from csi_pmem.cmdline import (
     quiet_interrupt,
 )
 from csi_pmem.cmdline import quantity as parse_size
-from csi_pmem.loader import sidecar, staging
+from csi_pmem.loader import auxfiles, sidecar, staging
 from csi_pmem.loader.fingerprint import FINGERPRINTS
 from csi_pmem.loader.progress import Progress, wanted
 from csi_pmem.sizes import MiB, describe_size, round_up
@@ -224,6 +224,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_config(args: argparse.Namespace) -> int:
+    try:
+        return auxfiles.run(args)
+    except errors.ChecksumError as exc:
+        print(f"csi-pmem-weights: {exc}", file=sys.stderr)
+        return EXIT_MISMATCH
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     fmt = output_format(args)
     with progress("export", args) as bar, open_volume(args.volume) as vol:
@@ -321,6 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
     common(e)
     add_output(e, OUTPUT_HELP.format(names="the paths written"), json_alias=True)
     e.set_defaults(func=cmd_export)
+
+    x = sub.add_parser("export-config", help="write a staged model's config and tokenizer "
+                       "files (not its weights), verified: what vLLM's --hf-config-path "
+                       "and --tokenizer read (docs/inference.md)")
+    auxfiles.add_arguments(x)
+    common(x, model=False, bar=False)
+    x.set_defaults(func=cmd_export_config)
 
     b = sub.add_parser("bench", help="CPU-path throughput (views, memcpy, verify)")
     b.add_argument("volume", metavar="VOLUME")

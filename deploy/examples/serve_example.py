@@ -1,30 +1,29 @@
-"""A vLLM-style server entrypoint that takes its weights from a csi-pmem volume.
+"""A server entrypoint that takes its weights from a csi-pmem volume.
 
-Why an example and not a library feature: every server builds its model its own way.
-What they share is the step this script shows: the staging sidecar has made sure the
-volume holds the wanted revision (the pod's serving container starts only after its
-/readyz said so), so the server maps the volume read-only, loads the tensors straight
-into GPU memory with ``csi_pmem.loader`` (no read() into host buffers, no safetensors
-file on disk), and hands the resulting ``{name: tensor}`` dict to its model:
+Why an example: every server builds its model its own way. What they share is the step
+this script shows: the staging sidecar has made sure the volume holds the wanted
+revision (the pod's serving container starts only after its /readyz said so), so the
+server maps the volume read-only, loads the tensors straight into GPU memory with
+``csi_pmem.loader`` (no read() into host buffers, no safetensors file on disk), and
+hands the resulting ``{name: tensor}`` dict to its model:
 
-- Hugging Face transformers: build the model on the ``meta`` device, then
-  ``model.load_state_dict(weights, assign=True)`` adopts the loaded tensors as the
-  parameters (no second copy). See :func:`into_transformers`.
-- vLLM: every model class has ``load_weights(Iterable[tuple[str, Tensor]])``, which
-  maps checkpoint names onto its fused parameters (qkv, gate_up) and shards them for
-  tensor parallelism. A custom model loader (``--load-format``) can feed it these
-  tensors instead of reading files; see :func:`into_vllm` and docs/sidecar.md for what
-  needs an upstream hook.
+- Hugging Face transformers (``--transformers``): ``csi_pmem.loader.build_on_meta``
+  builds the model from the staged ``config.json`` on the ``meta`` device and
+  ``fill_transformers`` adopts the loaded tensors as its parameters (no second copy),
+  ties the embeddings and initializes the buffers no checkpoint holds (the rotary
+  ``inv_freq``). ``csi_pmem.loader.load_transformers`` does all of it in one call.
+- vLLM needs no script: ``vllm serve <volume> --load-format csi-pmem`` (the ``vllm``
+  extra; docs/inference.md).
 
 Config and tokenizer files were staged beside the weights and are read from the
-volume too (:func:`read_volume_file`).
+volume too (``csi_pmem.loader.read_aux``).
 
     python serve_example.py --volume /models --model llama --device cuda:0 --port 8000
     python serve_example.py --volume vol.img --model llama --device cpu \
         --framework numpy --exit        # CI: no torch, no GPU
 
-Only the standard library and ``csi_pmem`` are imported at start; torch, transformers
-and vllm only by the functions that need them.
+Only the standard library and ``csi_pmem`` are imported at start; torch and
+transformers only when a path needs them.
 """
 
 from __future__ import annotations
@@ -33,17 +32,18 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
-from csi_pmem.loader import ModelView, open_model, open_volume, start_load
-
-
-def read_volume_file(view: ModelView, name: str) -> bytes:
-    """A staged auxiliary file (config.json, tokenizer.json) straight from the mapping."""
-    f = view.file(name)
-    return bytes(view.volume.view(f.offset, f.length))
+from csi_pmem.loader import (
+    LoaderError,
+    build_on_meta,
+    fill_transformers,
+    open_model,
+    open_volume,
+    read_aux,
+    start_load,
+)
 
 
 def load_weights(volume: str, model: str | None, device: str,
@@ -53,9 +53,9 @@ def load_weights(volume: str, model: str | None, device: str,
     started = time.monotonic()
     view = open_model(open_volume(volume), model)
     try:
-        config = json.loads(read_volume_file(view, "config.json"))
-    except KeyError:
-        config = {}
+        config = json.loads(read_aux(view, "config.json"))
+    except LoaderError:
+        config = {}  # staged without one: fine for --framework numpy
     handle = start_load(view, device, framework=framework)
     # A server would build its modules here while the copy runs: handle.files[shard]
     # and handle.tensors[name] are futures that resolve as the data lands.
@@ -69,36 +69,11 @@ def load_weights(volume: str, model: str | None, device: str,
 
 def into_transformers(weights: dict[str, Any], config: dict[str, Any]) -> Any:
     """A transformers model whose parameters ARE the loaded tensors (no copy)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(**config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    # strict=False: checkpoints usually omit a tied lm_head; whatever is still on the
-    # meta device after tie_weights() is really missing.
-    _, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-    model.tie_weights()
-    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if still_meta or unexpected:
-        raise SystemExit(f"checkpoint does not match the architecture: missing "
-                         f"{still_meta[:5]}, unexpected {unexpected[:5]}")
-    return model.eval()
-
-
-def vllm_weights_iterator(weights: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """What vLLM's ``Model.load_weights`` consumes: (checkpoint name, tensor) pairs."""
-    yield from weights.items()
-
-
-def into_vllm(model: Any, weights: dict[str, Any]) -> Iterable[str]:
-    """Inside a vLLM model loader: hand the tensors to the model's own name mapping
-    (fused qkv/gate_up, tensor-parallel slicing). Returns the parameters it filled."""
-    return model.load_weights(vllm_weights_iterator(weights))
+    return fill_transformers(build_on_meta(config), weights)
 
 
 class _Info(BaseHTTPRequestHandler):
-    info: dict[str, Any] = {}
+    info: ClassVar[dict[str, Any]] = {}
 
     def do_GET(self) -> None:
         if self.path in ("/healthz", "/v1/models"):
@@ -128,12 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exit", action="store_true", help="load, print a summary, exit")
     args = p.parse_args(argv)
 
-    weights, config, info = load_weights(args.volume, args.model, args.device,
-                                         args.framework)
-    info["config"] = config
-    if args.transformers:
-        model = into_transformers(weights, config)
-        info["parameters"] = sum(t.numel() for t in model.parameters())
+    try:
+        weights, config, info = load_weights(args.volume, args.model, args.device,
+                                             args.framework)
+        info["config"] = config
+        if args.transformers:
+            model = into_transformers(weights, config)
+            info["parameters"] = sum(t.numel() for t in model.parameters())
+    except LoaderError as exc:
+        print(f"serve_example: error: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(info), flush=True)
     if args.exit:
         return 0
