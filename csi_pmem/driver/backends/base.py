@@ -41,9 +41,11 @@ Contract:
 from __future__ import annotations
 
 import abc
+import errno
+import os
 from dataclasses import asdict, dataclass
 
-from csi_pmem.errors import FailedPrecondition
+from csi_pmem.errors import FailedPrecondition, NotFound, from_os_error
 from csi_pmem.sizes import allocation_for, allocation_step, devdax_usable, round_down, round_up
 
 # Why a region is unusable, as metrics say it (``csi_pmem_pool_usable{reason}``): a
@@ -143,6 +145,23 @@ def device_busy(ns: Namespace) -> FailedPrecondition:
     return FailedPrecondition(
         f"device {ns.device} of volume {ns.name} is in use (a file system on it is mounted, "
         "or something holds it open exclusively); unmount it first")
+
+
+GONE_HINT = "is /dev the host's /dev in this container?"
+
+
+def open_node(ns: Namespace, flags: int, gone: str = GONE_HINT) -> int:
+    """open() of the volume's device node with every back end's error translation: a
+    missing node is NOT_FOUND (``gone`` says what to check), EBUSY is
+    :func:`device_busy`, any other errno is translated with the volume named."""
+    try:
+        return os.open(ns.device, flags)
+    except FileNotFoundError as e:
+        raise NotFound(f"device {ns.device} of volume {ns.name} does not exist; {gone}") from e
+    except OSError as e:
+        if e.errno == errno.EBUSY:
+            raise device_busy(ns) from e
+        raise from_os_error(e, f"cannot open {ns.device} of volume {ns.name}") from e
 
 
 class Backend(abc.ABC):

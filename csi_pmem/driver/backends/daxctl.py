@@ -40,7 +40,6 @@ races a create.
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -55,7 +54,7 @@ from csi_pmem.driver.backends.base import (
     Backend,
     Namespace,
     Pool,
-    device_busy,
+    open_node,
 )
 from csi_pmem.driver.backends.daxctl_identity import DeviceRecords, match, pending, record
 from csi_pmem.driver.backends.daxctl_listing import (
@@ -84,10 +83,8 @@ from csi_pmem.errors import (
     CommandError,
     CsiPmemError,
     InvalidArgument,
-    NotFound,
     ResourceExhausted,
     Unavailable,
-    from_os_error,
 )
 from csi_pmem.sizes import MiB, format_bytes, round_down
 
@@ -430,15 +427,7 @@ class DaxctlBackend(Backend):
             raise Unavailable(f"dax device {ns.handle} of volume {ns.name} is disabled; "
                               f"enable it with 'daxctl enable-device {ns.handle}'")
         flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
-        try:
-            return os.open(ns.device, flags)
-        except FileNotFoundError as e:
-            raise NotFound(f"device {ns.device} of volume {ns.name} does not exist; is /dev "
-                           "the host's /dev in this container?") from e
-        except OSError as e:
-            if e.errno == errno.EBUSY:
-                raise device_busy(ns) from e
-            raise from_os_error(e, f"cannot open {ns.device} of volume {ns.name}") from e
+        return open_node(ns, flags)
 
     # -- health ----------------------------------------------------------------------------
     def probe(self) -> tuple[bool, str]:

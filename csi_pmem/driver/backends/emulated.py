@@ -41,7 +41,6 @@ VM tier.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -57,16 +56,14 @@ from csi_pmem.driver.backends.base import (
     Backend,
     Namespace,
     Pool,
-    device_busy,
+    open_node,
 )
 from csi_pmem.driver.host.mounter import HostMounter, LoopDevices
 from csi_pmem.errors import (
     AlreadyExists,
     BackendError,
     InvalidArgument,
-    NotFound,
     ResourceExhausted,
-    from_os_error,
 )
 from csi_pmem.mountinfo import MOUNTINFO, mountinfo
 from csi_pmem.sizes import REGION_ALIGN, describe_size, devdax_usable, parse_quantity, round_down
@@ -370,14 +367,7 @@ class EmulatedBackend(Backend):
         flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
         if exclusive and ns.device != ns.handle:
             flags |= os.O_EXCL  # a block device: EBUSY while mounted
-        try:
-            return os.open(ns.device, flags)
-        except FileNotFoundError as exc:
-            raise NotFound(f"device {ns.device} of volume {ns.name} is gone") from exc
-        except OSError as exc:
-            if exc.errno == errno.EBUSY:
-                raise device_busy(ns) from exc
-            raise from_os_error(exc, f"cannot open {ns.device} of volume {ns.name}") from exc
+        return open_node(ns, flags, gone="its backing file is gone")
 
     def device_present(self, ns: Namespace) -> bool:
         return os.path.exists(ns.handle) and os.path.exists(ns.device)

@@ -21,7 +21,6 @@ to run at any time.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import logging
 import os
@@ -42,7 +41,7 @@ from csi_pmem.driver.backends.base import (
     Backend,
     Namespace,
     Pool,
-    device_busy,
+    open_node,
 )
 from csi_pmem.driver.backends.ndctl_listing import (
     NDCTL_START_ALIGN,
@@ -78,10 +77,8 @@ from csi_pmem.errors import (
     CommandError,
     CsiPmemError,
     InvalidArgument,
-    NotFound,
     ResourceExhausted,
     Unavailable,
-    from_os_error,
 )
 from csi_pmem.sizes import (
     REGION_ALIGN,
@@ -523,15 +520,7 @@ class NdctlBackend(Backend):
         flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC
         if exclusive and ns.mode == "fsdax":
             flags |= os.O_EXCL  # a block device: EBUSY while a file system is mounted
-        try:
-            return os.open(ns.device, flags)
-        except FileNotFoundError as e:
-            raise NotFound(f"device {ns.device} of volume {ns.name} does not exist; is /dev "
-                           "the host's /dev in this container?") from e
-        except OSError as e:
-            if e.errno == errno.EBUSY:
-                raise device_busy(ns) from e
-            raise from_os_error(e, f"cannot open {ns.device} of volume {ns.name}") from e
+        return open_node(ns, flags)
 
     # -- health ---------------------------------------------------------------------
     def probe(self) -> tuple[bool, str]:
