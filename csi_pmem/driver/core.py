@@ -291,7 +291,7 @@ class Driver(Deletion, VolatileRecovery):
         if not candidates:
             have = sorted({p.numa_node for p in all_pools})
             raise ResourceExhausted(
-                f"this node ({self.config.node_id}) has no persistent memory on NUMA node "
+                f"this node ({self.config.node_id}) has no DAX memory on NUMA node "
                 f"{params.numa_node} (it has NUMA nodes {have}); the scheduler should pick "
                 "another node")
         kinds = [p for p in candidates if params.accepts_media(p.media)]
@@ -323,7 +323,7 @@ class Driver(Deletion, VolatileRecovery):
             biggest = max(p.size for p in usable_pools)
             raise OutOfRange(
                 f"a volume of {describe_size(request)} needs {describe_size(sized[0][1])} of "
-                f"persistent memory "
+                f"DAX memory "
                 f"(metadata and {format_bytes(params.align)} alignment included), more than "
                 f"the largest region on this node ({describe_size(biggest)})")
         fits_now = [s for s in fits_ever if s[1] <= s[0].largest_extent]
@@ -331,7 +331,7 @@ class Driver(Deletion, VolatileRecovery):
             free = ", ".join(f"{p.name} (NUMA {p.numa_node}): {describe_size(p.largest_extent)}"
                              for p, _, _ in fits_ever)
             raise ResourceExhausted(
-                f"not enough free persistent memory for {describe_size(sized[0][1])}; largest free "
+                f"not enough free DAX memory for {describe_size(sized[0][1])}; largest free "
                 f"extents: {free}")
         # Most free space first keeps NUMA nodes balanced for numaNode=auto.
         return max(fits_now, key=lambda s: (s[0].free, -s[0].numa_node))

@@ -17,6 +17,8 @@ CONFIG = os.environ.get("E2E_VM_CONFIG", "main")
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "vmconfig(name): the QEMU configuration a test needs")
+    config.addinivalue_line("markers", "no_leak_check: the test leaves its volume on purpose "
+                                       "(for the next boot)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -31,9 +31,11 @@ HOST_PACKAGES=(qemu-system-x86 ndctl daxctl e2fsprogs xfsprogs util-linux busybo
 # only a softdep ("crypto-crc32c"), and the initramfs has no modprobe to resolve it, so
 # crc32c_generic is listed before them. (crc32c-intel needs SSE4.2, which the qemu64
 # CPU model lacks.) loop (CONFIG_BLK_DEV_LOOP=m): a read-only fsdax Block publication
-# is a read-only loop device over the namespace.
+# is a read-only loop device over the namespace. dax_hmem (CONFIG_DEV_DAX_HMEM=m) makes
+# the hmem configuration's soft-reserved range a dax region; elsewhere it finds none and
+# does nothing. kmem is not loaded: nothing onlines that region as system RAM.
 MODULES=(virtio_pci 9pnet_virtio 9p overlay libnvdimm nfit nd_btt nd_pmem dax_pmem device_dax
-         crc32c_generic ext4 xfs loop)
+         dax_hmem crc32c_generic ext4 xfs loop)
 
 say() { echo "vm-prepare: $*" >&2; }
 

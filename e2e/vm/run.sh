@@ -19,8 +19,19 @@
 #               at every step of the commit protocol and asks for the power cut
 #               (kill-now in the share), and QEMU is SIGKILLed; "crash-check" boots the
 #               same files with their labels and runs e2e/vm/test_guest_weights.py.
+#   hmem        soft-reserved memory on today's kernel: the main layout with 3 GiB of RAM
+#               and memmap=512M%1G-1+0xefffffff, which makes guest RAM 1G-1.5G (node 0)
+#               a soft-reserved range that dax_hmem turns into dax0.0 (devdax on 6.1),
+#               beside the NVDIMMs; the driver runs --backend ndctl,daxctl and
+#               e2e/vm/test_guest_dax.py (csi-sanity on devdax-volatile, the workflows,
+#               create/delete timings on both kinds). Node 0's RAM is a file in /dev/shm
+#               so that its bytes outlive the boot, as DRAM may across a warm reboot.
+#   hmem-reboot a second boot of the same machine (the NVDIMM files with their labels,
+#               node 0's RAM file, the driver's state dir, which the hmem boot kept in
+#               the results share): the volatile volume the hmem boot left must come
+#               back zeroed under its id, and be staged again.
 #
-# Usage: e2e/vm/run.sh [--config main|misaligned|crash|all] [--cmd 'shell command'] [-- PYTEST ARGS]
+# Usage: e2e/vm/run.sh [--config main|misaligned|crash|hmem|all] [--cmd 'shell command'] [-- PYTEST ARGS]
 #   --cmd runs that command in the guest instead of the test suite (for debugging;
 #         the guest sees the host's files, except /tmp, /run and /var/tmp: tmpfs there).
 #   PYTEST ARGS go to pytest in the guest, e.g. -- -k erase -x
@@ -30,6 +41,8 @@
 #                        configuration takes 15-20 min under TCG on 2 loaded cores)
 #        E2E_VM_SMP / E2E_VM_MEM_GIB   guest CPUs (2, split over the two NUMA nodes)
 #                        and RAM in GiB (2, half per node)
+#        E2E_VM_HMEM_MEM_GIB  the hmem boots' RAM in GiB (3, half per node; 512 MiB
+#                        of node 0 is the soft-reserved range, so at least 2)
 #        CSI_SANITY_BIN  csi-sanity binary (default: the cached build of
 #                        scripts/install-csi-sanity.sh); csi-sanity is skipped, with the
 #                        reason in the results, when it is absent, unless
@@ -44,13 +57,14 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 py="${repo}/.venv/bin/python"
-configs=(main misaligned crash)
+all_configs=(main misaligned crash hmem)
+configs=("${all_configs[@]}")
 guest_cmd=""
 pytest_args=()
 while (($#)); do
     case "$1" in
-        --config) shift; [[ "$1" == all ]] && configs=(main misaligned crash) || configs=("$1") ;;
-        --config=*) v="${1#*=}"; [[ "$v" == all ]] && configs=(main misaligned crash) || configs=("$v") ;;
+        --config) shift; [[ "$1" == all ]] && configs=("${all_configs[@]}") || configs=("$1") ;;
+        --config=*) v="${1#*=}"; [[ "$v" == all ]] && configs=("${all_configs[@]}") || configs=("$v") ;;
         --cmd) shift; guest_cmd="$1" ;;
         --) shift; pytest_args=("$@"); break ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -59,13 +73,17 @@ while (($#)); do
     shift
 done
 for c in "${configs[@]}"; do
-    [[ "$c" == main || "$c" == misaligned || "$c" == crash ]] || { echo "e2e-vm: unknown config $c" >&2; exit 2; }
+    [[ " ${all_configs[*]} " == *" $c "* ]] || { echo "e2e-vm: unknown config $c" >&2; exit 2; }
 done
 
 out_root="${E2E_VM_OUT:-${repo}/build/e2e-vm}"
 timeout_s="${E2E_VM_TIMEOUT:-1800}"
 smp="${E2E_VM_SMP:-2}"
 mem_gib="${E2E_VM_MEM_GIB:-2}"
+# hmem: 512 MiB of soft-reserved memory at 1 GiB, inside node 0's 1.5 GiB, leaving the
+# guest the 2.5 GiB of ordinary RAM the main configuration's 2 GiB are measured against.
+hmem_mem_gib="${E2E_VM_HMEM_MEM_GIB:-3}"
+hmem_memmap="512M%1G-1+0xefffffff"
 # Nehalem (SSE4.2, no AVX, no ERMS) rather than max: glibc then picks SSE2-class string
 # functions, which TCG runs about 10x faster than the AVX2/ERMS ones (64 MiB memset
 # 0.015 s vs 0.19 s; the erase of every volume is such a memset), and numpy, which the
@@ -90,13 +108,16 @@ say "kernel and initramfs: $kdir"
 mkdir -p "$out_root"
 for c in "${configs[@]}"; do rm -rf "${out_root:?}/$c"; done
 [[ " ${configs[*]} " == *" crash "* ]] && rm -rf "${out_root:?}/crash-check"
+[[ " ${configs[*]} " == *" hmem "* ]] && rm -rf "${out_root:?}/hmem-reboot"
 rm -f "$out_root/summary.json"
 work="$(mktemp -d "${TMPDIR:-/tmp}/csi-pmem-e2e-vm.XXXXXX")"
+shm_work=""  # hmem: node 0's RAM file, kept from the hmem boot to hmem-reboot
 qemu_pid=""
 cleanup() {
     if [[ -n "$qemu_pid" ]] && kill -0 "$qemu_pid" 2>/dev/null; then kill "$qemu_pid" 2>/dev/null || true; fi
     [[ -n "${watch_pid:-}" ]] && kill "$watch_pid" 2>/dev/null || true
     rm -rf "$work"
+    [[ -n "$shm_work" ]] && rm -rf "$shm_work"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -105,6 +126,7 @@ trap 'exit 130' INT TERM
 write_cmd() {
     local config="$1" dir="$2" suite="e2e/vm/test_guest.py" cmd="$guest_cmd"
     [[ "$config" == crash-check ]] && suite="e2e/vm/test_guest_weights.py"
+    [[ "$config" == hmem || "$config" == hmem-reboot ]] && suite="e2e/vm/test_guest_dax.py"
     [[ "$config" == crash && -z "$cmd" ]] && cmd="$(printf '%q ' "$py" e2e/vm/crash_prepare.py)"
     {
         echo "# generated by e2e/vm/run.sh"
@@ -131,6 +153,7 @@ write_cmd() {
 boot() {
     local config="$1" dir="$out_root/$1" nvalign=16M nv0=1G nv1=1G images="$1"
     local append="console=ttyS0 panic=-1 quiet mitigations=off csi_pmem.vm=1"
+    local mem="$mem_gib" ram0="memory-backend-ram,id=ram0"
     mkdir -p "$dir"
     write_cmd "$config" "$dir"
     case "$config" in
@@ -145,19 +168,33 @@ boot() {
             for f in crash-plan.json model model-big; do
                 [[ -e "$out_root/crash/$f" ]] && cp -a "$out_root/crash/$f" "$dir/"
             done ;;
+        hmem|hmem-reboot)
+            mem="$hmem_mem_gib" images=hmem append+=" memmap=$hmem_memmap"
+            [[ -n "$shm_work" ]] || shm_work="$(mktemp -d /dev/shm/csi-pmem-e2e-vm.XXXXXX)"
+            [[ "$config" == hmem ]] && rm -f "$shm_work/ram0"
+            ram0="memory-backend-file,id=ram0,share=on,mem-path=$shm_work/ram0"
+            if [[ "$config" == hmem-reboot ]]; then
+                append+=" csi_pmem.labels=0"
+                # The node's disk: the driver's state dir as the hmem boot left it, and
+                # what that boot planned and staged.
+                for f in state reboot-plan.json model; do
+                    [[ -e "$out_root/hmem/$f" ]] && cp -a "$out_root/hmem/$f" "$dir/"
+                done
+            fi ;;
     esac
     # Sparse backing files: the guest's writes (and erases) fill them in. crash-check
-    # boots the crash boot's files as they were at the power cut.
-    if [[ "$config" != crash-check ]]; then
+    # boots the crash boot's files as they were at the power cut, hmem-reboot the hmem
+    # boot's.
+    if [[ "$config" != crash-check && "$config" != hmem-reboot ]]; then
         rm -f "$work/$images-nv0.img" "$work/$images-nv1.img"
         truncate -s "$nv0" "$work/$images-nv0.img"
         truncate -s "$nv1" "$work/$images-nv1.img"
     fi
     local -a qemu=(
         qemu-system-x86_64 -machine pc,nvdimm=on -accel tcg -cpu "$cpu"
-        -smp "$smp,sockets=$smp,cores=1,threads=1" -m "${mem_gib}G,slots=4,maxmem=16G"
-        -object "memory-backend-ram,id=ram0,size=$(( mem_gib * 512 ))M"
-        -object "memory-backend-ram,id=ram1,size=$(( mem_gib * 512 ))M"
+        -smp "$smp,sockets=$smp,cores=1,threads=1" -m "${mem}G,slots=4,maxmem=16G"
+        -object "$ram0,size=$(( mem * 512 ))M"
+        -object "memory-backend-ram,id=ram1,size=$(( mem * 512 ))M"
         -numa node,nodeid=0,cpus=0,memdev=ram0
         -numa node,nodeid=1,cpus=1-$(( smp - 1 )),memdev=ram1
         -object "memory-backend-file,id=nv0,share=on,mem-path=$work/$images-nv0.img,size=$nv0,align=$nvalign"
@@ -203,7 +240,7 @@ boot() {
         echo 254 >"$dir/rc"
     fi
     say "'$config' done in $(cat "$dir/boot_seconds") s, guest exit $(cat "$dir/rc")"
-    [[ "$config" == crash ]] || rm -f "$work/$images-nv0.img" "$work/$images-nv1.img"
+    [[ "$config" == crash || "$config" == hmem ]] || rm -f "$work/$images-nv0.img" "$work/$images-nv1.img"
 }
 
 # The host's side of the staging benchmark the guest runs on devdax: the same script
@@ -220,11 +257,13 @@ boots=()
 for c in "${configs[@]}"; do
     boots+=("$c")
     [[ "$c" == crash ]] && boots+=(crash-check)
+    [[ "$c" == hmem ]] && boots+=(hmem-reboot)
 done
 for c in "${boots[@]}"; do
     boot "$c"
 done
-rm -f "$work"/crash-nv*.img
+rm -f "$work"/crash-nv*.img "$work"/hmem-nv*.img
+[[ -n "$shm_work" ]] && rm -rf "$shm_work" && shm_work=""
 
 status=0
 if [[ -z "$guest_cmd" ]]; then

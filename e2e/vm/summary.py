@@ -17,7 +17,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-CONFIGS = ("main", "misaligned", "crash", "crash-check")
+CONFIGS = ("main", "misaligned", "crash", "crash-check", "hmem", "hmem-reboot")
 
 
 def junit_cases(path: Path) -> list[dict]:
@@ -109,6 +109,49 @@ def weights_lines(facts: dict, root: Path) -> list[str]:
     return lines
 
 
+def dax_lines(facts: dict) -> list[str]:
+    """The hmem boots (test_guest_dax.py): the daxctl pool, CreateVolume/DeleteVolume
+    medians next to ndctl's on the NVDIMM in the same boot, what the reboot did."""
+    lines = []
+    region = facts.get("hmem_region")
+    if region:
+        lines.append(f"  hmem region {region['path']} (dax{region['id']}): "
+                     f"{region['size'] >> 20} MiB, target node {region['target_node']}, "
+                     f"boot device {region['boot_device']} in devdax mode")
+    if facts.get("no_setup_create"):
+        lines.append(f"  without --dax-setup: {facts['no_setup_create'][:240]}")
+    medians = facts.get("create_delete_medians")
+    if medians:
+        for op in ("CreateVolume", "DeleteVolume"):
+            dax, nd = medians["daxctl"][op], medians["ndctl"][op]
+            lines.append(f"  {op} 64Mi median of 5: daxctl on soft-reserved memory "
+                         f"{dax:.3f} s, ndctl on NVDIMM {nd:.3f} s, ratio daxctl/ndctl "
+                         f"{dax / nd:.2f} (same boot, TCG)")
+    core = facts.get("core_workflow")
+    if core:
+        lines.append(f"  core workflow on {core['device']} (NUMA {core['numa_node']}): a new "
+                     f"volume over the deleted one's memory ({core['reuse_device']}, same "
+                     f"memory: {core['reuse_same_memory']}) read zeros")
+    if "old_bytes_survived_reboot" in facts:
+        lines.append(f"  after the reboot, before the driver: the old volume's bytes still in "
+                     f"memory: {facts['old_bytes_survived_reboot']}")
+    for line in facts.get("reboot_log") or []:
+        lines.append(f"  driver log: {line.strip()[:300]}")
+    cond = facts.get("reboot_condition")
+    if cond:
+        lines.append(f"  volume condition: abnormal={cond['abnormal']}: {cond['message'][:240]}")
+    if facts.get("reboot_zeroed"):
+        lines.append(f"  recreated volume read all zeros (same memory as before: "
+                     f"{facts.get('reboot_same_memory')})")
+    if facts.get("reboot_load_refused"):
+        lines.append(f"  load before the re-stage: {facts['reboot_load_refused'][:200]}")
+    side = facts.get("reboot_sidecar")
+    if side:
+        lines.append(f"  sidecar after the reboot: {side['first']} ({side['bytes']} bytes), "
+                     f"warm restart: {side['warm']}")
+    return lines
+
+
 def summarise_crash_boot(d: Path) -> tuple[dict, list[str], bool]:
     """The boot that ends in a power cut: fine when the host killed it as planned."""
     plan = load_json(d / "crash-plan.json").get("namespaces") or {}
@@ -156,6 +199,7 @@ def summarise_config(d: Path) -> tuple[dict, list[str], bool]:
                          f"access type {access})")
     lines += fsdax_lines(facts)
     lines += weights_lines(facts, d.parent)
+    lines += dax_lines(facts)
     ops = latency.get("operations") or {}
     if ops:
         lines.append(f"  latency ({latency.get('note', '')}):")
@@ -167,7 +211,8 @@ def summarise_config(d: Path) -> tuple[dict, list[str], bool]:
         lines.append(f"  driver start to serving: {facts['driver_start_seconds']:.1f} s")
     lines += share_lines(facts.get("ndctl_share_64Mi") or {})
     report = {"config": d.name, "ok": ok, "guest_exit": rc_text, "boot_seconds": boot,
-              "tests": cases, "csi_sanity": facts.get("csi_sanity"), "latency": ops}
+              "tests": cases, "csi_sanity": facts.get("csi_sanity"), "latency": ops,
+              "create_delete_medians": facts.get("create_delete_medians")}
     return report, lines, ok
 
 

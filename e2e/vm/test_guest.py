@@ -700,6 +700,11 @@ def vm_flavour(name: str) -> tuple[Flavour, str]:
     emulated tier checks that path against the real kernel.
     """
     flavour = FLAVOURS[name]
+    if re.search(r"^media:\s*\"?volatile\"?\s*$", (SANITY_DIR / name).read_text(), re.M):
+        return flavour, (
+            "the class asks for media: volatile and this boot has only NVDIMM (persistent) "
+            "pools; it runs on soft-reserved memory in the hmem boot (test_guest_dax.py) "
+            "and on the emulated back end on tmpfs in make test")
     label, align = _flavour_align(name)
     raw = allocation_for(flavour.volume_size, align, REGION_ALIGN)[0]
     biggest = max(r["size"] for r in regions())

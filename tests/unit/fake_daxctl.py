@@ -10,6 +10,13 @@ to go offline). The JSON follows ndctl's ``daxctl/json.c`` (keys ``path``, ``id`
 ``daxctl/device.c``. Each device is a sparse file under ``dev_root``, so a driver over
 this fake can open, map and erase it like ``/dev/daxX.Y``; the file outlives the device
 (and a reboot), as memory keeps its bytes, so what was not erased shows up again.
+
+Checked against the real thing (kernel 6.1, daxctl 76.1, the VM tier's hmem boot,
+e2e/vm/test_guest_dax.py): a region always has its ``daxN.0`` (the kernel's boot-time
+device, or a size-0 seed); ``reconfigure-device -s 0`` keeps the device at size 0,
+disabled, and ``--idle`` lists it without ``mappings``; ``create-device`` makes a new
+device under the lowest free number above it (``daxN.0`` is never reused) and no other
+idle device appears; ``available_size`` is absent when nothing is free.
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ class FakeDaxKernel:
         r = self.regions[rid]
         if r["boot_device"]:
             self._make(rid, 0, [(r["base"], r["base"] + r["size"] - 1)], r["boot_device"])
+        else:  # the region's seed: daxN.0 at size 0, disabled
+            r["devices"][0] = {"ranges": [], "mode": "devdax", "enabled": False,
+                               "align": r["align"]}
 
     def reboot(self) -> None:
         """Volatile memory: every device is gone, the kernel's boot device is back."""
@@ -112,7 +122,7 @@ class FakeDaxKernel:
             out.update(online_memblocks=4, total_memblocks=4, movable=True)
         if not d or not d["enabled"]:
             out["state"] = "disabled"
-        if d and mappings:
+        if d and d["ranges"] and mappings:
             out["mappings"] = []
             offset = 0
             for s, e in d["ranges"]:
@@ -158,9 +168,9 @@ class FakeDaxKernel:
             avail = self.available(rid)
             if avail and "/ndbus" not in r["path"]:
                 region["available_size"] = avail
-            devs = [self._dev_json(rid, i, d, mappings) for i, d in sorted(r["devices"].items())]
-            if idle:
-                devs.append(self._dev_json(rid, self._seed(rid), None, mappings))
+            # Size-0 devices (a seed, a device shrunk to 0) only with --idle.
+            devs = [self._dev_json(rid, i, d, mappings) for i, d in sorted(r["devices"].items())
+                    if idle or d["ranges"]]
             if devs:
                 region["devices"] = devs
             out.append(region)
@@ -217,7 +227,7 @@ class FakeDaxKernel:
         found = self._dev(chardev)
         if found is None:
             raise self._error(argv, "error reconfiguring devices: No such device\n")
-        rid, inst, d = found
+        _rid, _inst, d = found
         if "--mode=devdax" in argv:
             if d["mode"] == "system-ram" and self.busy:
                 raise self._error(argv, f"{chardev}: failed to offline memory: Device or "
@@ -229,12 +239,7 @@ class FakeDaxKernel:
                 raise self._error(argv, "error reconfiguring devices: Device or resource "
                                         "busy\n")
             if int(argv[argv.index("-s") + 1]) == 0:
-                d["ranges"] = []
-                if inst != 0:
-                    self._remove(rid, inst)
-                else:
-                    # The kernel keeps daxN.0 (size 0, idle).
-                    self.regions[rid]["devices"].pop(0)
+                d["ranges"] = []  # the kernel keeps the device, at size 0 (idle)
         return "", "reconfigured 1 device\n"
 
     def writes(self) -> list[list[str]]:

@@ -90,6 +90,62 @@ def test_pools_capacity_and_static_pmem_regions_left_to_ndctl(kernel, tmp_path):
     assert b.probe() == (True, "ok") and b.max_volumes() == 0
 
 
+# What daxctl 76.1 printed on Debian's 6.1 kernel in the VM tier's hmem boot
+# (e2e/vm/test_guest_dax.py keeps them as daxctl-list-*.json): at boot, after
+# --dax-setup=reconfigure shrank dax0.0, and with one 64 MiB volume.
+REAL_BOOT = (
+    "[{\"path\": \"/platform/hmem.0\", \"id\": 0, \"size\": 536870912, \"align\": 2097152, "
+    "\"devices\": [{\"chardev\": \"dax0.0\", \"size\": 536870912, \"target_node\": 0, \"align\": "
+    "2097152, \"mode\": \"devdax\", \"mappings\": [{\"page_offset\": 0, \"start\": 1073741824, "
+    "\"end\": 1610612735, \"size\": 536870912}]}]}]")
+REAL_AFTER_SETUP = (
+    "[{\"path\": \"/platform/hmem.0\", \"id\": 0, \"size\": 536870912, \"available_size\": "
+    "536870912, \"align\": 2097152, \"devices\": [{\"chardev\": \"dax0.0\", \"size\": 0, "
+    "\"target_node\": 0, \"align\": 2097152, \"mode\": \"devdax\", \"state\": \"disabled\"}]}]")
+REAL_WITH_A_VOLUME = (
+    "[{\"path\": \"/platform/hmem.0\", \"id\": 0, \"size\": 536870912, \"available_size\": "
+    "469762048, \"align\": 2097152, \"devices\": [{\"chardev\": \"dax0.1\", \"size\": 67108864, "
+    "\"target_node\": 0, \"align\": 2097152, \"mode\": \"devdax\", \"mappings\": "
+    "[{\"page_offset\": 0, \"start\": 1073741824, \"end\": 1140850687, \"size\": 67108864}]}, "
+    "{\"chardev\": \"dax0.0\", \"size\": 0, \"target_node\": 0, \"align\": 2097152, \"mode\": "
+    "\"devdax\", \"state\": \"disabled\"}]}]")
+
+
+def _listed(kernel: FakeDaxKernel) -> list[dict]:
+    doc = kernel.run_json(["daxctl", "list", "--regions", "--devices", "--mappings", "--idle"])
+    for region in doc:
+        region["devices"] = sorted(region.get("devices", []), key=lambda d: d["chardev"])
+    return doc
+
+
+def _real(text: str) -> list[dict]:
+    doc = json.loads(text)
+    for region in doc:
+        region["devices"] = sorted(region.get("devices", []), key=lambda d: d["chardev"])
+    return doc
+
+
+def test_the_fake_prints_what_the_real_daxctl_printed(tmp_path):
+    """The fake against the VM tier's captures: the boot device, dax0.0 kept at size 0
+    (no mappings) after the set-up, the volume made as dax0.1, no other idle device."""
+    k = FakeDaxKernel(tmp_path / "dev", tmp_path / "proc")
+    k.add_region(0, 512 * MiB, target_node=0, boot_device="devdax")
+    k.regions[0]["base"] = GiB  # memmap=512M%1G
+    k.reboot()
+    assert _listed(k) == _real(REAL_BOOT)
+    b = make(k, tmp_path, setup="reconfigure")
+    (pool,) = b.pools()
+    assert pool.usable and pool.free == 512 * MiB
+    assert _listed(k) == _real(REAL_AFTER_SETUP)
+    ns = b.create("v", "dax0", 64 * MiB, 2 * MiB)
+    assert ns.handle == "dax0.1"
+    assert _listed(k) == _real(REAL_WITH_A_VOLUME)
+    # The real documents themselves: dax0.0 at size 0 is an idle seed, not a boot device.
+    (hmem,) = parse_regions(json.loads(REAL_WITH_A_VOLUME))
+    assert [d.chardev for d in hmem.sized()] == ["dax0.1"] and hmem.target_node() == 0
+    assert hmem.available == 448 * MiB and hmem.kind == "soft-reserved memory"
+
+
 def test_static_region_detected_from_sysfs(kernel, tmp_path):
     kernel.regions[0]["path"] = "/platform/something/dax0.0"
     sysfs = write(tmp_path / "sys", {"devices/platform/something/dax0.0/dax_region/align":
