@@ -25,6 +25,12 @@ from csi_pmem.csi import csi_pb2, csi_pb2_grpc
 from csi_pmem.driver.host import mounts
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# tests/torch_cpu runs in .venv-torch (`make torch-test`, which sets CSI_PMEM_TORCH_TESTS=1
+# and stops conftest lookup there): this venv has no torch by design. Not even visited
+# here, so that its conftest never takes the name `conftest` from this one, which the
+# tests import helpers from.
+collect_ignore = [] if os.environ.get("CSI_PMEM_TORCH_TESTS") == "1" else ["torch_cpu"]
 Mode = csi_pb2.VolumeCapability.AccessMode
 MiB = 1 << 20
 GiB = 1 << 30
