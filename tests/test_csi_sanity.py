@@ -81,6 +81,10 @@ FLAVOURS: dict[str, Flavour] = {
     # disk when /dev/shm is short): the emulated back end is told so.
     "devdax-volatile.yaml": Flavour(volume_size=64 * MiB,
                                     extra=("--emulated-media", "volatile")),
+    # media: persistent, the other half: the emulated pools are told they persist (they
+    # would count as volatile on /dev/shm). The VM tier's cxl boot runs it on CXL pmem.
+    "devdax-persistent.yaml": Flavour(volume_size=64 * MiB,
+                                      extra=("--emulated-media", "persistent")),
 }
 
 # csi-sanity specs we skip on purpose: Ginkgo regex -> reason printed with the results.

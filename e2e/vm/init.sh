@@ -43,12 +43,19 @@ while read -r ko; do
     }
 done </modules/load.order
 
-mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288 vmout /out \
+# csi_pmem.msize=N: the CXL boots' QEMU 10 with kernel 6.12 stops its virtio queue
+# ("virtio: bogus descriptor or out of resources") on a 512 KiB message, which needs
+# more descriptors than the queue's 128; they pass 262144.
+msize=524288
+for arg in $(cat /proc/cmdline); do
+    case "$arg" in csi_pmem.msize=*) msize="${arg#csi_pmem.msize=}" ;; esac
+done
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=$msize vmout /out \
     || die "cannot mount the vmout share"
 : >/out/init.log
 log "modules loaded at $(uptime_s) s"
 
-mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=524288,cache=loose hostroot /lower \
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=$msize,cache=loose hostroot /lower \
     || die "cannot mount the hostroot share"
 mount -t tmpfs -o mode=0755 rw /rw
 mkdir -p /rw/upper /rw/work

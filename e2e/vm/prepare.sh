@@ -13,12 +13,16 @@
 # Env:   CSI_PMEM_CACHE                cache root (default ~/.cache/csi-pmem)
 #        CSI_PMEM_VM_KERNEL_PKG        kernel package (default: what linux-image-amd64
 #                                      depends on in the apt lists)
+#        CSI_PMEM_VM_KERNEL_DEB        a kernel .deb already downloaded (prepare_cxl.sh:
+#                                      bookworm-backports' 6.12), used instead
+#        CSI_PMEM_VM_EXTRA_MODULES     more modules, in load order (the CXL stack)
+#        CSI_PMEM_VM_CACHE_ROOT        cache directory (default <cache root>/vm)
 # Needs root for apt-get (only when a package is missing) and the network to Debian's
 # mirror only on a cold cache.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-cache_root="${CSI_PMEM_CACHE:-${HOME}/.cache/csi-pmem}/vm"
+cache_root="${CSI_PMEM_VM_CACHE_ROOT:-${CSI_PMEM_CACHE:-${HOME}/.cache/csi-pmem}/vm}"
 # Host packages: QEMU, the guest-side tools (the guest runs the host's ndctl, and the
 # driver runs the host's blkid, mkfs.ext4 and mkfs.xfs for fsdax volumes), busybox for
 # the initramfs, kmod for depmod.
@@ -36,6 +40,8 @@ HOST_PACKAGES=(qemu-system-x86 ndctl daxctl e2fsprogs xfsprogs util-linux busybo
 # does nothing. kmem is not loaded: nothing onlines that region as system RAM.
 MODULES=(virtio_pci 9pnet_virtio 9p overlay libnvdimm nfit nd_btt nd_pmem dax_pmem device_dax
          dax_hmem crc32c_generic ext4 xfs loop)
+# shellcheck disable=SC2206  # a space-separated list of module names
+MODULES+=(${CSI_PMEM_VM_EXTRA_MODULES:-})
 
 say() { echo "vm-prepare: $*" >&2; }
 
@@ -56,16 +62,19 @@ fi
 # Which kernel: the package linux-image-amd64 points at (from the local apt lists,
 # no network), e.g. linux-image-6.1.0-57-amd64 (= 6.1.192-3).
 kpkg="${CSI_PMEM_VM_KERNEL_PKG:-}"
+kdeb="${CSI_PMEM_VM_KERNEL_DEB:-}"
+[[ -z "$kdeb" ]] || kpkg="$(dpkg-deb -f "$kdeb" Package)"
 if [[ -z "$kpkg" ]]; then
     kpkg="$(apt-cache depends linux-image-amd64 2>/dev/null \
         | sed -n 's/^ *Depends: \(linux-image-[0-9][^ ]*\)$/\1/p' | head -n1)"
 fi
 [[ -n "$kpkg" ]] || { say "error: cannot resolve linux-image-amd64 (run apt-get update)"; exit 1; }
 kver_pkg="$(apt-cache policy "$kpkg" | sed -n 's/^ *Candidate: //p')"
+[[ -z "$kdeb" ]] || kver_pkg="$(dpkg-deb -f "$kdeb" Version)"
 [[ -n "$kver_pkg" && "$kver_pkg" != "(none)" ]] || { say "error: no candidate for $kpkg"; exit 1; }
 kname="${kpkg#linux-image-}"  # the uname -r of that kernel, e.g. 6.1.0-57-amd64
 bb_ver="$(dpkg-query -W -f='${Version}' busybox-static)"
-recipe_hash="$(cat "$here/init.sh" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-12)"
+recipe_hash="$( (cat "$here/init.sh" "${BASH_SOURCE[0]}"; echo "${MODULES[*]}") | sha256sum | cut -c1-12)"
 key="linux-${kver_pkg}_busybox-${bb_ver}_init-${recipe_hash}"
 key="${key//[:~]/_}"
 dir="${cache_root}/${key}"
@@ -79,6 +88,7 @@ fi
 start=$(date +%s)
 mkdir -p "$cache_root/debs"
 deb="$(ls "$cache_root/debs/${kpkg}_"*"_amd64.deb" 2>/dev/null | grep -F "_${kver_pkg//:/%3a}_" | head -n1 || true)"
+[[ -z "$kdeb" ]] || deb="$kdeb"
 if [[ -z "$deb" ]]; then
     say "downloading $kpkg $kver_pkg"
     # apt-get download writes into the current directory; as root it warns that the
@@ -113,7 +123,7 @@ add_path() {
     order+=("$rel")
 }
 for m in "${MODULES[@]}"; do
-    rel="$(path_of "$m")"
+    rel="$(path_of "$m" || true)"  # no match (built in) fails the pipe
     if [[ -z "$rel" ]]; then
         if grep -qE "/${m}\.ko" "$mdir/modules.builtin"; then continue; fi
         say "error: module $m is neither in modules.dep nor built in"; exit 1

@@ -18,6 +18,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 CONFIGS = ("main", "misaligned", "crash", "crash-check", "hmem", "hmem-reboot")
+# Opt-in (run.sh --config cxl), so not in the default list above.
+CXL_CONFIGS = ("cxl", "cxl-reboot")
 
 
 def junit_cases(path: Path) -> list[dict]:
@@ -152,6 +154,40 @@ def dax_lines(facts: dict) -> list[str]:
     return lines
 
 
+def cxl_lines(facts: dict) -> list[str]:
+    """The CXL boots (test_guest_cxl.py): regions, pools, medians, what the reboot kept."""
+    lines = []
+    for _, r in sorted((facts.get("regions_created") or {}).items()):
+        lines.append(f"  {r['argv']}: {r['region']} {r['decode_state']} in {r['seconds']} s")
+    nd, ram = facts.get("pmem_nd_region"), facts.get("ram_dax_region")
+    if nd:
+        lines.append(f"  CXL pmem: nd region {nd['dev']} on bus CXL, {nd['size'] >> 20} MiB, "
+                     f"numa_node {nd['numa_node']}, target_node {nd['target_node']}")
+    if ram:
+        lines.append(f"  CXL ram: {ram['path']}, {ram['size'] >> 20} MiB, target node "
+                     f"{ram['target_node']} (CPU nodes {ram['cpu_nodes']}), "
+                     f"{ram['boot_device']} came up {ram['boot_mode']}")
+    if facts.get("no_region_create"):
+        lines.append(f"  before any region: {facts['no_region_create'][:240]}")
+    for media, core in sorted((facts.get("cxl_core_workflow") or {}).items()):
+        lines.append(f"  core workflow {media}: {core['device']} in {core['pool']} "
+                     f"(NUMA {core['numa_node']}), reuse read zeros")
+    medians = facts.get("cxl_create_delete_medians")
+    if medians:
+        for op in ("CreateVolume", "DeleteVolume"):
+            dax, nd_s = medians["daxctl"][op], medians["ndctl"][op]
+            lines.append(f"  {op} 64Mi median of 3: daxctl on CXL ram {dax:.3f} s, ndctl on "
+                         f"CXL pmem {nd_s:.3f} s, ratio {dax / nd_s:.2f} (same boot, TCG)")
+    if "namespaces_after_reboot" in facts:
+        lines.append(f"  pmem region created again: namespaces from the LSA "
+                     f"{facts['namespaces_after_reboot']}")
+    if "pmem_marker_survived" in facts:
+        lines.append(f"  pmem volume after the reboot: marker read back "
+                     f"{facts['pmem_marker_survived']}, model verified and loaded "
+                     f"{facts.get('pmem_model_survived', False)}")
+    return lines
+
+
 def summarise_crash_boot(d: Path) -> tuple[dict, list[str], bool]:
     """The boot that ends in a power cut: fine when the host killed it as planned."""
     plan = load_json(d / "crash-plan.json").get("namespaces") or {}
@@ -200,6 +236,7 @@ def summarise_config(d: Path) -> tuple[dict, list[str], bool]:
     lines += fsdax_lines(facts)
     lines += weights_lines(facts, d.parent)
     lines += dax_lines(facts)
+    lines += cxl_lines(facts)
     ops = latency.get("operations") or {}
     if ops:
         lines.append(f"  latency ({latency.get('note', '')}):")

@@ -726,7 +726,10 @@ def vm_flavour(name: str) -> tuple[Flavour, str]:
 # Flavours not worth their guest time by default (flavour -> why), opt back in with
 # E2E_VM_SANITY_FLAVOURS=all. Empty: every flavour that fits the guest's regions runs
 # (each costs 40-95 s under TCG; CI has the time).
-VM_SANITY_REDUNDANT: dict[str, str] = {}
+VM_SANITY_REDUNDANT: dict[str, str] = {
+    "devdax-persistent.yaml": "repeats devdax-2mi here (every pool of this boot is a "
+                              "persistent NVDIMM); the cxl boot runs it on CXL pmem",
+}
 
 
 def _sanity_binary() -> str:

@@ -318,6 +318,24 @@ def test_cpu_less_node_without_hmat_takes_the_nearest_node_with_cpus(tmp_path):
     assert topo.place(None)[0] == 0
 
 
+def test_offline_cpu_less_node_maps_to_the_only_node_with_cpus(tmp_path):
+    """The VM tier's CXL ram region on 6.12: its target node 2 went offline with its
+    memory (no node2 directory) and the device's numa_node says 2 as well."""
+    sysfs = write(tmp_path / "sys", {
+        "devices/system/node/online": "0\n",
+        "devices/system/node/has_cpu": "0\n",
+        "devices/system/node/node0/cpulist": "0-1\n",
+    })
+    topo = Topology(sysfs)
+    assert topo.place(2, device_node=2) == (0, "the only node with CPUs (target node 2 is "
+                                               "offline)")
+    # Several nodes with CPUs and nothing to rank them by: the target node, as before.
+    (tmp_path / "sys/devices/system/node/has_cpu").write_text("0-1\n")
+    assert topo.place(2, device_node=2)[0] == 2
+    # A target node that is online keeps the distance rules (no shortcut).
+    assert topo.place(0)[0] == 0
+
+
 # ------------------------------------------------------------------- firmware states
 def test_no_region_without_soft_reserved_memory(tmp_path):
     k = FakeDaxKernel(tmp_path / "dev", tmp_path / "proc")

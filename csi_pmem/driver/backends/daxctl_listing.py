@@ -160,7 +160,11 @@ class Topology:
     4. else the dax device's own ``numa_node`` (the kernel's
        ``numa_map_to_online_node()`` of the target: a memory-less node that is not
        online has no ``nodeN`` directory for steps 1-3);
-    5. else the target node, or 0 when even that is unknown.
+    5. else the only node with CPUs (``has_cpu``), when there is one: a CXL ram
+       region's node goes offline once its memory is offlined for devdax (kernel 6.12
+       in the VM tier: target node 2, no ``node2`` directory, the device's numa_node 2
+       too), and with one node of CPUs that one is the nearest whatever the distances;
+    6. else the target node, or 0 when even that is unknown.
     """
 
     def __init__(self, sysfs_root: str | os.PathLike = "/sys") -> None:
@@ -225,6 +229,13 @@ class Topology:
                           f"(distance {dist[best]})")
         if device_node is not None and device_node >= 0 and device_node != target:
             return device_node, f"the device's numa_node for target node {target}"
+        has_cpu = self._read(self.nodes / "has_cpu")
+        try:
+            cpu_nodes = parse_cpulist(has_cpu) if has_cpu else []
+        except ValueError:
+            cpu_nodes = []
+        if len(cpu_nodes) == 1 and self.has_cpus(target) is None:
+            return cpu_nodes[0], f"the only node with CPUs (target node {target} is offline)"
         return target, "target node (its CPUs are unknown)"
 
 
