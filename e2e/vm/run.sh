@@ -136,7 +136,9 @@ cleanup() {
     if [[ -n "$qemu_pid" ]] && kill -0 "$qemu_pid" 2>/dev/null; then kill "$qemu_pid" 2>/dev/null || true; fi
     [[ -n "${watch_pid:-}" ]] && kill "$watch_pid" 2>/dev/null || true
     rm -rf "$work"
-    [[ -n "$shm_work" ]] && rm -rf "$shm_work"
+    # An if, not `[[ ]] && rm`: under set -e a false test as the trap's last command
+    # made every run exit 1 after a passing summary.
+    if [[ -n "$shm_work" ]]; then rm -rf "$shm_work"; fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -333,7 +335,7 @@ for c in "${boots[@]}"; do
     boot "$c"
 done
 rm -f "$work"/crash-nv*.img "$work"/hmem-nv*.img "$work"/cxl-*.img
-[[ -n "$shm_work" ]] && rm -rf "$shm_work" && shm_work=""
+if [[ -n "$shm_work" ]]; then rm -rf "$shm_work"; shm_work=""; fi
 
 status=0
 if [[ -z "$guest_cmd" ]]; then
