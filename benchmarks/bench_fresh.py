@@ -679,6 +679,57 @@ def _stage_file(path: str, src: str) -> Any:
         return stage(vol, src, name="bench")
 
 
+def source_commit() -> str | None:
+    """The commit that ran: CSI_PMEM_COMMIT (a copied tree has no .git), else git's."""
+    if os.environ.get("CSI_PMEM_COMMIT"):
+        return os.environ["CSI_PMEM_COMMIT"]
+    try:
+        out = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def gpu_driver_version() -> str | None:
+    """The NVIDIA driver's version, which torch does not report."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
+
+
+def host_copy_gbps(nbytes: int = 2 * GiB, repeat: int = 5) -> dict[str, float]:
+    """Host memory bandwidth, best of `repeat` copies of 2 GiB: one thread (numpy) and
+    all threads (torch's parallel copy). GB/s counts the bytes copied, not read plus
+    written. Why here: hosts of one kind differed by up to 2x for every loader that
+    copies through host memory, so a run records its host's figure beside its table."""
+    import numpy as np
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    out = {}
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeat))
+    out["one_thread"] = round(nbytes / 1e9 / best, 2)
+    try:
+        import torch
+    except ImportError:
+        return out
+    ts, td = torch.from_numpy(src), torch.from_numpy(dst)
+    best = min(_timed(lambda: td.copy_(ts)) for _ in range(repeat))
+    out[f"torch_{torch.get_num_threads()}_threads"] = round(nbytes / 1e9 / best, 2)
+    return out
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def environment(args: argparse.Namespace, src: str, volumes: list[str],
                 ref_env: dict[str, Any]) -> dict[str, Any]:
     from importlib import metadata
@@ -692,7 +743,9 @@ def environment(args: argparse.Namespace, src: str, volumes: list[str],
             versions[name] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    return {"python": platform.python_version(), "cpus": len(os.sched_getaffinity(0)),
+    return {"commit": source_commit(), "gpu_driver": gpu_driver_version(),
+            "host_copy_gbps": host_copy_gbps(),
+            "python": platform.python_version(), "cpus": len(os.sched_getaffinity(0)),
             "kernel": platform.release(), "model_fs": fs_type(os.path.abspath(src)),
             "volumes": {v: fs_type(os.path.abspath(v)) for v in volumes},
             "peers": versions, **ref_env}

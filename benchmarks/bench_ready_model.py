@@ -25,6 +25,10 @@ Methods:
                       transformers 5 refuses device_map without accelerate, so without
                       it: from_pretrained(dir, dtype=bf16).to(DEV) (the row says which).
                       ``dtype``: transformers 5's name for the deprecated ``torch_dtype``
+  csi-pmem-api        the package's API in one call, as a user writes it:
+                      csi_pmem.loader.transformers.load_transformers(volume, device=DEV)
+                      (the model built on meta from the staged config.json while the
+                      weights copy in-pod, verified; then filled and tied)
   csi-pmem            config.json from the volume, model built on the meta device,
                       load_safetensors(view, device=DEV) (verification on: the API's
                       default), load_state_dict(assign=True), buffers rebuilt
@@ -77,8 +81,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MiB = 1 << 20
 STAGED_NAME = "ready"
-METHODS = ("from_pretrained", "csi-pmem", "csi-pmem-noverify", "csi-pmem-overlap",
-           "csi-pmem-aligned", "csi-pmem-node", "instanttensor")
+METHODS = ("from_pretrained", "csi-pmem-api", "csi-pmem", "csi-pmem-noverify",
+           "csi-pmem-overlap", "csi-pmem-aligned", "csi-pmem-node", "instanttensor")
+API = "csi-pmem-api"  # the package's one call: csi_pmem.loader.transformers.load_transformers
 NODE = "csi-pmem-node"
 # csi-pmem-aligned is a diagnosis, not a default: the default model's shards happen to
 # start their data 16-byte aligned (misaligned16 = 0), so it would repeat csi-pmem.
@@ -502,6 +507,15 @@ def ready(torch, method: str, args: argparse.Namespace) -> tuple[object, dict]:
         model.eval()
         return model, phases
     t = time.perf_counter()
+    if method == API:
+        from csi_pmem.loader.transformers import load_transformers
+
+        # What a user writes: one call builds the model from the staged config.json on
+        # meta while the weights copy, and fills it (in-pod path, verified).
+        model = load_transformers(args.volume, device=args.device)
+        phases["load_s"] = time.perf_counter() - t
+        phases["how"] = "csi_pmem.loader.transformers.load_transformers"
+        return model, phases
     if method == "instanttensor":
         import peers
         from transformers import AutoConfig
