@@ -545,13 +545,26 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run_rounds(entries: list[tuple[str, str, str | None]], rounds: int,
-               measure_one: Callable[[str, str, str | None, int], dict[str, Any]]
-               ) -> list[dict[str, Any]]:
-    """Interleaved rounds; a method found not installed is not run again."""
+               measure_one: Callable[[str, str, str | None, int], dict[str, Any]],
+               on_round: Callable[[list[dict[str, Any]], int], None] | None = None,
+               budget_s: float | None = None) -> list[dict[str, Any]]:
+    """Interleaved rounds; a method found not installed is not run again.
+
+    ``on_round(records, done)`` runs after each whole round (the caller saves what it
+    has, so a run cut short by its host keeps its complete rounds). With ``budget_s``,
+    a round is not started when the seconds spent so far plus the longest round so far
+    would pass it: the run ends with whole rounds instead of being killed in one."""
     by_label = {e[0]: e for e in entries}
     skip: set[str] = set()
-    records = []
+    records: list[dict[str, Any]] = []
+    start, longest = time.monotonic(), 0.0
     for rnd in range(1, rounds + 1):
+        spent = time.monotonic() - start
+        if budget_s is not None and rnd > 1 and spent + longest > budget_s:
+            log(f"stopping after round {rnd - 1} of {rounds}: {spent:.0f} s spent, a round "
+                f"takes up to {longest:.0f} s, the budget is {budget_s:.0f} s")
+            break
+        t = time.monotonic()
         for label in round_order(list(by_label), rnd - 1):
             if label in skip:
                 continue
@@ -561,6 +574,9 @@ def run_rounds(entries: list[tuple[str, str, str | None]], rounds: int,
             _progress(rec, rounds)
             if rec["status"] == "not installed":
                 skip.add(label)
+        longest = max(longest, time.monotonic() - t)
+        if on_round is not None:
+            on_round(records, rnd)
     return records
 
 
@@ -783,6 +799,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="all", help="comma-separated, default all")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--timeout-s", type=float, default=600, help="per worker")
+    p.add_argument("--budget-s", type=float,
+                   help="start no round that would end past this many seconds of rounds "
+                        "(the longest round so far is the estimate); whole rounds only")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -819,20 +838,32 @@ def main(argv: list[str] | None = None) -> int:
             node_dir = stack.enter_context(published(volumes[0],
                                                      os.path.join(args.work, "published")))
         entries = expand(names, volumes, node_dir)
+        labels = [e[0] for e in entries]
+
+        def save(records: list[dict[str, Any]], done: int) -> None:
+            if not args.json:
+                return
+            rows = summarize(labels, records)
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"environment": env,
+                           "model": {"dir": src, "files": files, "bytes": nbytes,
+                                     "tensors": ntensors},
+                           "volumes": volumes, "methods": labels,
+                           "rounds_asked": args.rounds, "rounds_done": done,
+                           "rounds": records, "summary": rows,
+                           "table": render_table(rows)}, f, indent=1)
+            os.replace(tmp, args.json)
+
         records = run_rounds(entries, args.rounds, lambda label, base, vol, rnd: measure(
-            label, base, vol, rnd, common, args, logs))
-    rows = summarize([e[0] for e in entries], records)
-    table = render_table(rows)
+            label, base, vol, rnd, common, args, logs), on_round=save,
+            budget_s=args.budget_s)
+    done = max((r["round"] for r in records), default=0)
+    rows = summarize(labels, records)
     print(f"\n{env.get('gpu', '?')}, torch {env.get('torch', '?')}: model "
-          f"{nbytes / 1e9:.2f} GB, {args.rounds} rounds, a fresh process each\n")
-    print(table)
+          f"{nbytes / 1e9:.2f} GB, {done} of {args.rounds} rounds, a fresh process each\n")
+    print(render_table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env,
-                       "model": {"dir": src, "files": files, "bytes": nbytes,
-                                 "tensors": ntensors},
-                       "volumes": volumes, "methods": [e[0] for e in entries],
-                       "rounds": records, "summary": rows, "table": table}, f, indent=1)
         print(f"\nJSON: {os.path.abspath(args.json)}")
     bad = [r for r in records if r["status"] not in ("ok", "not installed")]
     return 1 if bad else 0

@@ -15,7 +15,9 @@
 #       bench_ready_model.py, 3 rounds, every default method (the package's
 #       load_transformers among them), logits compared with from_pretrained's
 #   bash benchmarks/gpu_record.sh fresh [DEST]
-#       bench_fresh.py, 5 interleaved rounds, every method and peer, 14.7 GB model
+#       bench_fresh.py, 5 interleaved rounds, every method and peer, 14.7 GB model;
+#       BUDGET_S (default 400) seconds of rounds at most, whole rounds only, the JSON
+#       saved after each round
 # Exit status: the step's own (pytest's or the benchmark's), so a failure is seen.
 set -uo pipefail
 
@@ -41,7 +43,8 @@ case "$step" in
         ;;
     fresh)
         python3 benchmarks/bench_fresh.py --size-gb 14.7 --rounds "${ROUNDS:-5}" \
-            --timeout-s 90 --volume /mnt/h/volume.img --json "$dest/fresh.json" \
+            --timeout-s 90 --budget-s "${BUDGET_S:-400}" --volume /mnt/h/volume.img \
+            --json "$dest/fresh.json" \
             2>&1 | tee "$dest/fresh.log"
         ;;
     *)
