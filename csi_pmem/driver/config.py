@@ -100,11 +100,14 @@ HELP = {
                       "never recreated) or auto (volatile when the emulated root is on "
                       "tmpfs, ramfs or hugetlbfs, persistent otherwise)",
     "daxctl": "path of the daxctl binary (daxctl back end)",
-    "cxl": "path of the cxl binary, used to say why a CXL node has no dax region",
+    "cxl": "path of the cxl binary: says why a CXL node has no dax region, and makes "
+           "CXL regions under --dax-setup=reconfigure",
     "dax_setup": "off: dax regions onlined as system RAM or held by the kernel's boot-time "
-                 "device are only reported; reconfigure: the driver hands that device "
-                 "(daxN.0) back to device-dax, offlining its memory, and shrinks it so the "
-                 "region can be carved",
+                 "device, and CXL memory devices without a region, are only reported; "
+                 "reconfigure: the driver creates a region for each CXL memory device "
+                 "that has none (cxl create-region, ram and pmem), hands the boot-time "
+                 "device (daxN.0) back to device-dax, offlining its memory, and shrinks "
+                 "it so the region can be carved",
 }
 # Several kinds of pool on one node: ndctl and daxctl together (composite back end).
 BACKENDS = ("ndctl", "daxctl", "ndctl,daxctl", "emulated")

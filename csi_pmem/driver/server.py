@@ -120,6 +120,7 @@ class Server:
 
     def start(self) -> None:
         started = time.monotonic()
+        self.backend.setup_node()  # opt-in CXL regions, before volumes are matched
         self.driver.reconcile()
         address, _ = grpc_address(self.cfg.endpoint)
         # Said before the socket answers, so whoever sees the driver serving can also

@@ -274,7 +274,10 @@ boot() {
 # bridge fail region commit), a 4 GiB fixed memory window per bridge. -cpu ...,
 # hypervisor=off: 6.12 refuses to commit a region ("Failed to synchronize CPU cache
 # state") when the CPU says it runs under a hypervisor. No NVDIMMs: the CXL pmem
-# region is the ndctl pool. cxl-reboot boots the same pmem, LSA and ram files.
+# region is the ndctl pool. cxl-reboot boots the same pmem, LSA and ram files. sn=: a
+# serial number, as real devices have; without one (QEMU's default) the pmem region's
+# interleave-set cookie is fletcher64(DPA 0, serial 0) = 0, and after a reboot 6.12
+# refuses the namespace labels ("invalid interleave-set-cookie"): nothing comes back.
 cxl_qemu() {
     local config="$1" dir="$2" append="$3"
     [[ -n "$shm_work" ]] || shm_work="$(mktemp -d /dev/shm/csi-pmem-e2e-vm.XXXXXX)"
@@ -298,10 +301,10 @@ cxl_qemu() {
         -object "memory-backend-file,id=cxl-ram1,share=on,mem-path=$shm_work/cxl-ram,size=512M"
         -device pxb-cxl,bus_nr=12,bus=pcie.0,id=cxl.1
         -device cxl-rp,port=0,bus=cxl.1,id=rp1,chassis=0,slot=2
-        -device cxl-type3,bus=rp1,persistent-memdev=cxl-pmem0,lsa=cxl-lsa0,id=cxl-pmem0
+        -device cxl-type3,bus=rp1,persistent-memdev=cxl-pmem0,lsa=cxl-lsa0,id=cxl-pmem0,sn=0x5ca1ab1e
         -device pxb-cxl,bus_nr=222,bus=pcie.0,id=cxl.2
         -device cxl-rp,port=0,bus=cxl.2,id=rp2,chassis=0,slot=3
-        -device cxl-type3,bus=rp2,volatile-memdev=cxl-ram1,id=cxl-vmem0
+        -device cxl-type3,bus=rp2,volatile-memdev=cxl-ram1,id=cxl-vmem0,sn=0x5ca1ab1f
         -M cxl-fmw.0.targets.0=cxl.1,cxl-fmw.0.size=4G,cxl-fmw.1.targets.0=cxl.2,cxl-fmw.1.size=4G
         # On pcie.0 by name: -virtfs would plug into the last bus, a pxb-cxl.
         -fsdev local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap

@@ -100,12 +100,45 @@ def create_regions() -> dict[str, dict]:
     return made
 
 
-def nd_region() -> dict:
-    """The nd region of the CXL pmem region: on bus provider CXL."""
-    found = tg._as_list(json.loads(tg.run(["ndctl", "list", "-b", "CXL", "-R", "-N", "-v"])
-                                   .stdout or "[]"))
-    assert len(found) == 1, f"expected one nd region on bus CXL: {found}"
+def nd_region(wait_s: float = 15.0) -> dict:
+    """The nd region of the CXL pmem region: on bus provider CXL. The kernel probes it
+    after the commit returns (and reads the labels then), so wait for it a while; if it
+    never comes, say what the nd bus and the kernel log show."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = tg._as_list(json.loads(tg.run(["ndctl", "list", "-b", "CXL", "-R", "-N",
+                                               "-v"]).stdout or "[]"))
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if len(found) != 1:
+        idle = tg.run(["ndctl", "list", "-b", "CXL", "-R", "-N", "-D", "-i", "-v"]).stdout
+        enable = tg.run(["ndctl", "enable-region", "-b", "CXL", "all"], check=False)
+        idle += (f"\nndctl enable-region: exit {enable.returncode}: {enable.stdout} "
+                 f"{enable.stderr}\nafter: " + tg.run(["ndctl", "list", "-b", "CXL", "-R",
+                                                      "-N", "-i", "-v"]).stdout)
+        nd = sorted(os.listdir("/sys/bus/nd/devices")) if os.path.isdir(
+            "/sys/bus/nd/devices") else []
+        dmesg = [line for line in tg.run(["dmesg"]).stdout.splitlines()
+                 if re.search(r"nd_|nvdimm|region|namespace|label|pmem|cxl|nmem|btt|pfn|dax",
+                              line, re.I)][-80:]
+        raise AssertionError(f"expected one nd region on bus CXL: {found}\n"
+                             f"ndctl list -i: {idle}\n/sys/bus/nd/devices: {nd}\n"
+                             "dmesg:\n" + "\n".join(dmesg))
     return found[0]
+
+
+def _nvdimm_debug() -> None:
+    """libnvdimm's and cxl_pmem's debug messages into dmesg (dynamic debug), so that a
+    region that does not come up says why."""
+    control = Path("/sys/kernel/debug/dynamic_debug/control")
+    if not control.exists():
+        tg.run(["mount", "-t", "debugfs", "debugfs", "/sys/kernel/debug"], check=False)
+    for module in ("libnvdimm", "nd_pmem", "cxl_pmem", "cxl_core"):
+        try:
+            control.write_text(f"module {module} +p\n")
+        except OSError:
+            pass
 
 
 def ram_region() -> DaxRegion:
@@ -138,6 +171,7 @@ class CxlDriver(td.DaxDriver):
 
 @pytest.fixture(scope="session")
 def boot_state() -> dict[str, Any]:
+    _nvdimm_debug()
     state = {"kernel": os.uname().release, "cxl": tg.run([CXL, "--version"]).stdout.strip(),
              "ndctl": tg.run(["ndctl", "--version"]).stdout.strip(),
              "daxctl": tg.run(["daxctl", "--version"]).stdout.strip(),
@@ -429,14 +463,19 @@ def _plan() -> dict[str, Any]:
 
 @pytest.mark.vmconfig("cxl-reboot")
 @pytest.mark.no_leak_check
-def test_pmem_region_created_again_finds_its_namespace(boot_state: dict[str, Any]) -> None:
-    """Before the driver: the reboot reset the decoders (no region); the same
-    create-region makes the pmem region again and the kernel finds the volume's
-    namespace in the LSA labels."""
+def test_the_driver_creates_the_regions_again(boot_state: dict[str, Any],
+                                              drv: CxlDriver) -> None:
+    """The reboot reset the decoders (no region at boot). The driver, with
+    --dax-setup=reconfigure, creates the pmem and the ram region again at start, and the
+    kernel finds the volume's namespace in the pmem device's LSA labels."""
     plan = _plan()
     assert Path("/proc/sys/kernel/random/boot_id").read_text().strip() != plan["boot_id"]
     assert boot_state["regions"] == [], boot_state["regions"]
-    FACTS["regions_created"] = create_regions()
+    made = re.findall(r"cxl set-up: created (\w+) region (region\d+) of (\S+) on (mem\d+) "
+                      r"in (decoder[\d.]+)", drv.log_text())
+    FACTS["regions_created_by_driver"] = [" ".join(m) for m in made]
+    assert sorted(m[0] for m in made) == ["pmem", "ram"], drv.log_tail()
+    assert "no serial number" not in drv.log_text()
     region = nd_region()
     names = [ns.get("name") for ns in tg._as_list(region.get("namespaces"))]
     FACTS["namespaces_after_reboot"] = names

@@ -217,6 +217,11 @@ class Backend(abc.ABC):
 
         return os.path.exists(ns.device)
 
+    def setup_node(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
+        """Prepare the node's memory before the first listing, where the administrator
+        opted in (``--dax-setup=reconfigure``); never raises for a refusal, which
+        becomes a pool's reason instead."""
+
     def invalidate(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
         """Forget cached listings (called on device events); no-op without a cache."""
 

@@ -112,6 +112,11 @@ class CompositeBackend(Backend):
                 counts.append(b.max_volumes())
         return 0 if not counts or 0 in counts else sum(counts)
 
+    def setup_node(self) -> None:
+        for b in self.backends:
+            b.setup_node()
+        self.invalidate()  # what one made (a CXL pmem region), another lists
+
     def invalidate(self) -> None:
         for b in self.backends:
             b.invalidate()

@@ -56,6 +56,7 @@ from csi_pmem.driver.backends.base import (
     Pool,
     open_node,
 )
+from csi_pmem.driver.backends.cxl_setup import CxlRegionMaker, await_region_children
 from csi_pmem.driver.backends.daxctl_identity import DeviceRecords, match, pending, record
 from csi_pmem.driver.backends.daxctl_listing import (
     CxlState,
@@ -92,6 +93,7 @@ log = logging.getLogger(__name__)
 
 SETUP_MODES = ("off", "reconfigure")
 SETUP_RETRY = 60.0  # seconds between set-up attempts on a region that refused
+REGION_WAIT = 15.0  # seconds for the kernel to probe a CXL region the set-up made
 SCRATCH_PREFIX = "csi-pmem-scrub-"  # csi_pmem.driver.erasing.scrub: never listed
 NO_REGION_POOL = "dax"  # the placeholder pool that carries "no dax region" and why
 FSDAX_PROBLEM = ("dax pool {pool} serves devdax volumes only: soft-reserved and CXL "
@@ -127,12 +129,16 @@ class DaxctlBackend(Backend):
         self._cache_lock = threading.Lock()
         self._write_lock = threading.RLock()
         self._setup_failed: dict[int, tuple[str, float]] = {}  # region -> (why, when)
+        self._cxl_regions = (CxlRegionMaker(self._runner, cxl, timeout)
+                             if setup == "reconfigure" else None)
 
     # -- listing ------------------------------------------------------------------------
     def _list(self, prepare: bool = True) -> list[DaxRegion]:
         # Regions with their devices (-D), the devices' ranges (-M: part of identity),
         # and size-0 seeds (-i: their target_node places a region with no device yet).
         argv = [self._daxctl, "list", "--regions", "--devices", "--mappings", "--idle"]
+        if prepare and self._cxl_regions is not None:
+            self._make_cxl_regions()  # at most once a minute: retries, hot-added devices
         with self._cache_lock:
             generation = self._cache_generation
         regions = [r for r in parse_regions(self._runner.run_json(argv, timeout=self._timeout))
@@ -377,6 +383,20 @@ class DaxctlBackend(Backend):
                 raise
 
     # -- node set-up (opt-in) -------------------------------------------------------------
+    def setup_node(self) -> None:
+        """With ``--dax-setup=reconfigure``: create the CXL regions the node lacks
+        (:mod:`csi_pmem.driver.backends.cxl_setup`) before the first listing."""
+        if self._cxl_regions is not None:
+            self._make_cxl_regions()
+
+    def _make_cxl_regions(self) -> None:
+        assert self._cxl_regions is not None
+        with self._write_lock:
+            made = self._cxl_regions.ensure()
+        if made:
+            await_region_children(self._sysfs, made, REGION_WAIT)
+            self.invalidate()
+
     def _prepare(self, regions: list[DaxRegion]) -> bool:
         """With ``--dax-setup=reconfigure``: hand each region's boot-time device back to
         device-dax and shrink it to 0. True when something changed (list again)."""
