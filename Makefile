@@ -111,7 +111,9 @@ bench: setup
 # The VM tier: the driver with --backend ndctl in QEMU (TCG) on Debian's kernel with
 # emulated NVDIMMs on two NUMA nodes; csi-sanity and e2e/vm/test_guest.py in the guest;
 # then the hmem pair (soft-reserved memory, --backend ndctl,daxctl, a reboot; about 3-4
-# minutes more, e2e/vm/test_guest_dax.py). Needs root; results in build/e2e-vm. E2E_VM_ARGS passes options, e.g.
+# minutes more, e2e/vm/test_guest_dax.py) and the CXL pair (QEMU 10, kernel 6.12, cxl 81
+# from e2e/vm/prepare_cxl.sh; a pmem and a ram type-3 device, a reboot; about 5 minutes
+# more, e2e/vm/test_guest_cxl.py). Needs root; results in build/e2e-vm. E2E_VM_ARGS passes options, e.g.
 # E2E_VM_ARGS="--config main -- -k erase" (see e2e/vm/run.sh --help).
 e2e-vm: setup tools
 	CSI_SANITY_REQUIRED=1 bash e2e/vm/run.sh $(E2E_VM_ARGS)

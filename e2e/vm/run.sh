@@ -30,7 +30,7 @@
 #               node 0's RAM file, the driver's state dir, which the hmem boot kept in
 #               the results share): the volatile volume the hmem boot left must come
 #               back zeroed under its id, and be staged again.
-#   cxl         opt-in (not in "all" yet): CXL on QEMU 10, kernel 6.12 and trixie's cxl 81
+#   cxl         CXL on QEMU 10, kernel 6.12 and trixie's cxl 81
 #               (e2e/vm/prepare_cxl.sh fetches them with a private apt configuration):
 #               q35 with cxl=on, one pxb-cxl host bridge and root port per device, a
 #               persistent type-3 device (512 MiB file + 256 KiB LSA file) and a
@@ -38,8 +38,9 @@
 #               boot), a 4 GiB fixed memory window each; e2e/vm/test_guest_cxl.py makes
 #               a pmem and a ram region and runs the driver with --backend ndctl,daxctl.
 #   cxl-reboot  the same machine again (pmem and LSA files, the ram file, the state dir):
-#               the pmem region created again finds its namespace and data in the
-#               LSA; the volatile volume comes back zeroed and is staged again.
+#               the driver (--dax-setup=reconfigure) creates both regions again; the pmem
+#               region finds its namespace and data in the LSA; the volatile volume
+#               comes back zeroed and is staged again.
 #
 # Usage: e2e/vm/run.sh [--config main|misaligned|crash|hmem|cxl|all] [--cmd 'shell command'] [-- PYTEST ARGS]
 #   --cmd runs that command in the guest instead of the test suite (for debugging;
@@ -67,9 +68,9 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 py="${repo}/.venv/bin/python"
-all_configs=(main misaligned crash hmem)
+all_configs=(main misaligned crash hmem cxl)
 configs=("${all_configs[@]}")
-known_configs=("${all_configs[@]}" cxl)  # cxl: opt-in with --config cxl
+known_configs=("${all_configs[@]}")
 guest_cmd=""
 pytest_args=()
 while (($#)); do

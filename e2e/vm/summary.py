@@ -172,6 +172,8 @@ def cxl_lines(facts: dict) -> list[str]:
         lines.append(f"  CXL ram: {ram['path']}, {ram['size'] >> 20} MiB, target node "
                      f"{ram['target_node']} (CPU nodes {ram['cpu_nodes']}), "
                      f"{ram['boot_device']} came up {ram['boot_mode']}")
+    if facts.get("ram_placement"):
+        lines.append(f"  placement: {facts['ram_placement']}")
     if facts.get("no_region_create"):
         lines.append(f"  before any region: {facts['no_region_create'][:240]}")
     for media, core in sorted((facts.get("cxl_core_workflow") or {}).items()):

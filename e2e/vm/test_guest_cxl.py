@@ -320,6 +320,13 @@ def test_setup_turns_system_ram_to_devdax(drv: CxlDriver) -> None:
                            reason="ok") == 1
     FACTS["pools"] = {"volatile": {"pool": ram.name, "capacity": free},
                       "persistent": {"pool": nd_region()["dev"], "capacity": pfree}}
+    # The ram region's memory is on a CPU-less node: the driver says where it placed
+    # the pool and how it found that node.
+    placed = re.search(rf"pool {ram.name} \((\w+), target node (\d+)\) is on NUMA node "
+                       r"(\d+): (.*)", drv.log_text())
+    assert placed, drv.log_tail()
+    FACTS["ram_placement"] = placed.group(0)
+    assert int(placed.group(3)) in cpu_nodes(), placed.group(0)
 
 
 @pytest.mark.timeout(900)
@@ -479,7 +486,7 @@ def test_the_driver_creates_the_regions_again(boot_state: dict[str, Any],
     region = nd_region()
     names = [ns.get("name") for ns in tg._as_list(region.get("namespaces"))]
     FACTS["namespaces_after_reboot"] = names
-    assert plan["persistent"]["name"] in names, region
+    assert plan["persistent"]["volume_id"] in names, region  # namespaces are named by id
 
 
 @pytest.mark.vmconfig("cxl-reboot")

@@ -129,6 +129,7 @@ class DaxctlBackend(Backend):
         self._cache_lock = threading.Lock()
         self._write_lock = threading.RLock()
         self._setup_failed: dict[int, tuple[str, float]] = {}  # region -> (why, when)
+        self._placed: dict[str, tuple[int, str]] = {}  # pool -> (node, how), as logged
         self._cxl_regions = (CxlRegionMaker(self._runner, cxl, timeout)
                              if setup == "reconfigure" else None)
 
@@ -187,7 +188,11 @@ class DaxctlBackend(Backend):
                 problems.append((REASON_FOREIGN_DEVICE, failed[0] if failed else
                                  foreign_problem(region, boot_devices, self.setup)))
         align = math.lcm(region.align, 2 * MiB)
-        node, _ = self._place(region)
+        node, how = self._place(region)
+        if self._placed.get(region.name) != (node, how):
+            self._placed[region.name] = (node, how)
+            log.info("pool %s (%s, target node %s) is on NUMA node %d: %s", region.name,
+                     region.kind, region.target_node(), node, how)
         free = 0 if problems else region.available
         return Pool(
             name=region.name, numa_node=node, size=region.size, free=free,
