@@ -41,7 +41,8 @@ REACH = {"decoder0.0": {"mem1"}, "decoder0.1": {"mem0"}}
 class FakeCxl:
     """``cxl list`` and ``cxl create-region`` over a small model of the topology."""
 
-    def __init__(self):
+    def __init__(self, sysfs: Path | None = None):
+        self.sysfs = sysfs  # where the "kernel" binds the regions it is asked to make
         self.memdevs, self.roots, self.reach = memdevs(), roots(), dict(REACH)
         self.regions: list[dict] = []
         self.calls: list[list[str]] = []
@@ -60,6 +61,11 @@ class FakeCxl:
                                  "mappings": [{"position": 0, "memdev": mem,
                                                "decoder": "decoder9.0"}]})
             doc = {"region": name, "type": kind, "size": M512}
+            if self.sysfs is not None:
+                child = self.sysfs / "bus/cxl/devices" / name / \
+                    f"{'dax' if kind == 'ram' else 'pmem'}_{name}"
+                child.mkdir(parents=True)
+                (child / "driver").symlink_to(self.sysfs)
         elif args == ["list", "-M"]:
             doc = self.memdevs
         elif args == ["list", "-R", "-T"]:
@@ -109,8 +115,11 @@ def test_ensure_creates_both_and_then_nothing(caplog):
     caplog.set_level(logging.WARNING)
     assert maker.ensure() == ["region0", "region1"]
     assert "created ram region region0 of 512Mi on mem0 in decoder0.1" in caplog.text
-    # The next call lists again at once (something was made) and finds nothing to do.
+    # The next call lists again at once (something was made) and finds nothing to do,
+    # from the two listings alone.
+    before = len(fake.calls)
     assert maker.ensure() == []
+    assert fake.calls[before:] == [["cxl", "list", "-M"], ["cxl", "list", "-R", "-T"]]
     assert sum(c[1] == "create-region" for c in fake.calls) == 2
 
 
@@ -165,8 +174,8 @@ def test_the_daxctl_backend_makes_regions_only_when_opted_in(tmp_path):
     from csi_pmem.driver.backends.daxctl import DaxctlBackend
 
     for setup, made in (("off", 0), ("reconfigure", 2)):
-        fake = FakeCxl()
-        b = DaxctlBackend(runner=fake, sysfs_root=tmp_path, proc_root=tmp_path,
+        fake = FakeCxl(tmp_path / setup)
+        b = DaxctlBackend(runner=fake, sysfs_root=tmp_path / setup, proc_root=tmp_path,
                           dev_root=tmp_path, setup=setup,
                           state_path=tmp_path / f"{setup}.json")
         b.setup_node()

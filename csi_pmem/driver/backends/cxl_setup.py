@@ -80,6 +80,15 @@ def in_regions(regions: Any) -> set[tuple[str, str]]:
     return used
 
 
+def missing(memdevs: Any, regions: Any) -> list[tuple[str, str]]:
+    """(memdev, type) pairs with capacity and no region of that type."""
+    used = in_regions(regions)
+    return [(str(d.get("memdev")), kind) for d in _list(memdevs)
+            for size_key, kind, _ in KINDS
+            if d.get("memdev") and _as_int(d.get(size_key)) > 0
+            and (str(d.get("memdev")), kind) not in used]
+
+
 def plan_regions(memdevs: Any, regions: Any, roots: Any,
                  reach: dict[str, set[str]]) -> tuple[list[RegionPlan], dict[str, str]]:
     """The regions to create, and why a device that needs one gets none.
@@ -135,6 +144,8 @@ class CxlRegionMaker:
             if not any(_as_int(d.get(k)) > 0 for d in _list(memdevs) for k, _, _ in KINDS):
                 return []  # no CXL memory here: nothing to do, nothing to say
             regions = self._json("list", "-R", "-T")
+            if not missing(memdevs, regions):
+                return []  # the steady state: two listings a minute, no more
             roots = self._json("list", "-D", "-d", "root")
             reach = {str(d.get("decoder")): {str(m.get("memdev")) for m in
                                              _list(self._json("list", "-M", "-d",
