@@ -322,7 +322,7 @@ def test_setup_turns_system_ram_to_devdax(drv: CxlDriver) -> None:
                       "persistent": {"pool": nd_region()["dev"], "capacity": pfree}}
     # The ram region's memory is on a CPU-less node: the driver says where it placed
     # the pool and how it found that node.
-    placed = re.search(rf"pool {ram.name} \((\w+), target node (\d+)\) is on NUMA node "
+    placed = re.search(rf"pool {ram.name} \(([^)]*), target node (\d+)\) is on NUMA node "
                        r"(\d+): (.*)", drv.log_text())
     assert placed, drv.log_tail()
     FACTS["ram_placement"] = placed.group(0)
