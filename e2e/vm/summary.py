@@ -161,9 +161,6 @@ def cxl_lines(facts: dict) -> list[str]:
         lines.append(f"  {r['argv']}: {r['region']} {r['decode_state']} in {r['seconds']} s")
     for made in facts.get("regions_created_by_driver") or []:
         lines.append(f"  the driver (--dax-setup=reconfigure) created {made}")
-    if facts.get("namespaces_after_reboot") is not None:
-        lines.append(f"  namespaces found in the LSA after the reboot: "
-                     f"{facts['namespaces_after_reboot']}")
     nd, ram = facts.get("pmem_nd_region"), facts.get("ram_dax_region")
     if nd:
         lines.append(f"  CXL pmem: nd region {nd['dev']} on bus CXL, {nd['size'] >> 20} MiB, "

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from csi_pmem.driver.backends.daxctl_listing import said
+from csi_pmem.driver.backends.ndctl_listing import as_int
 from csi_pmem.driver.host.runner import Runner
 from csi_pmem.errors import CommandError, CsiPmemError
 from csi_pmem.sizes import format_bytes
@@ -57,13 +59,6 @@ class RegionPlan:
                 self.memdev]
 
 
-def _as_int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
-
-
 def _list(doc: Any) -> list[dict]:
     if isinstance(doc, dict):
         doc = [doc]
@@ -85,7 +80,7 @@ def missing(memdevs: Any, regions: Any) -> list[tuple[str, str]]:
     used = in_regions(regions)
     return [(str(d.get("memdev")), kind) for d in _list(memdevs)
             for size_key, kind, _ in KINDS
-            if d.get("memdev") and _as_int(d.get(size_key)) > 0
+            if d.get("memdev") and as_int(d.get(size_key)) > 0
             and (str(d.get("memdev")), kind) not in used]
 
 
@@ -104,13 +99,13 @@ def plan_regions(memdevs: Any, regions: Any, roots: Any,
     for dev in _list(memdevs):
         name = str(dev.get("memdev", ""))
         for size_key, kind, capable in KINDS:
-            size = _as_int(dev.get(size_key))
+            size = as_int(dev.get(size_key))
             if not name or size <= 0 or (name, kind) in used:
                 continue
             fits = [d for d in _list(roots)
                     if name in reach.get(str(d.get("decoder")), set()) and d.get(capable)
                     and str(d.get("decoder")) not in taken]
-            roomy = [d for d in fits if _as_int(d.get("max_available_extent")) >= size]
+            roomy = [d for d in fits if as_int(d.get("max_available_extent")) >= size]
             if not roomy:
                 why[f"{name} {kind}"] = (
                     f"no root decoder above {name} allows {kind} with room for "
@@ -120,7 +115,7 @@ def plan_regions(memdevs: Any, regions: Any, roots: Any,
                 continue
             decoder = str(roomy[0]["decoder"])
             taken.add(decoder)
-            plans.append(RegionPlan(name, kind, decoder, size, _as_int(dev.get("serial"))))
+            plans.append(RegionPlan(name, kind, decoder, size, as_int(dev.get("serial"))))
     return plans, why
 
 
@@ -141,7 +136,7 @@ class CxlRegionMaker:
         self._last = now
         try:
             memdevs = self._json("list", "-M")
-            if not any(_as_int(d.get(k)) > 0 for d in _list(memdevs) for k, _, _ in KINDS):
+            if not any(as_int(d.get(k)) > 0 for d in _list(memdevs) for k, _, _ in KINDS):
                 return []  # no CXL memory here: nothing to do, nothing to say
             regions = self._json("list", "-R", "-T")
             if not missing(memdevs, regions):
@@ -165,8 +160,7 @@ class CxlRegionMaker:
             try:
                 out = self._runner.run_json(plan.argv(self._cxl), timeout=self._timeout)
             except CsiPmemError as exc:
-                text = (exc.stderr.strip().splitlines() or [str(exc)])[-1] \
-                    if isinstance(exc, CommandError) and exc.stderr else str(exc)
+                text = (said(exc.stderr) if isinstance(exc, CommandError) else "") or str(exc)
                 if self.failed.get(key) != text:
                     log.error("cxl set-up: '%s' failed: %s; retried in %.0f s",
                               " ".join(["cxl", *plan.argv(self._cxl)[1:]]), text,
@@ -197,8 +191,8 @@ def await_region_children(sysfs: str | os.PathLike, regions: list[str], timeout:
     """Wait until the kernel has probed each region made: its ``dax_region*`` (ram) or
     ``pmem_region*`` (pmem) under ``/sys/bus/cxl/devices/REGION`` bound to a driver.
     The commit returns before that, and a listing made at once would miss the region
-    (or, for pmem, its namespaces). False, with a
-    warning, if some region has not shown its child by the deadline."""
+    (or, for pmem, its namespaces). False, with a warning, if some region has not shown
+    its child by the deadline."""
     deadline = time.monotonic() + timeout
     left = list(regions)
     while left:
