@@ -93,13 +93,20 @@ def test_publish_and_unpublish_are_idempotent(node):
 
 
 def test_a_socket_that_went_away_is_served_again_by_a_repeated_publish(node):
-    vid = node.create("vol").volume.volume_id
-    target = node.target("pod-a")
+    vol = node.create("vol").volume
+    vid, target = vol.volume_id, node.target("pod-a")
     node.publish(vid, target)
     node.dax.stop(os.path.join(target, "dax.sock"))
+    with pytest.raises(DaxSocketError):  # gone: nothing serves the volume now
+        open_volume(target)
     node.publish(vid, target)
-    _, fd = open_volume(target)
-    os.close(fd)
+    meta, fd = open_volume(target)
+    try:  # served again, and by this volume's publication
+        assert (meta["volume_id"], meta["usable_size"]) == (vid, vol.capacity_bytes)
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+    finally:
+        os.close(fd)
+    assert node.record(vid).publications[target].state == PUBLISHED
     node.unpublish(vid, target)
 
 
