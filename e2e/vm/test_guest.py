@@ -385,6 +385,26 @@ def timed(op: str, fn: Callable[..., Any], request: Any, timeout: float = CALL_T
     return resp
 
 
+@contextlib.contextmanager
+def new_samples(counts: dict[str, int]) -> Iterator[dict[str, list[float]]]:
+    """The samples :func:`timed` records inside the block, per operation in ``counts``:
+    afterwards there must be exactly that many of each, each the positive, finite wall
+    time of a call that returned, and (one call at a time, all inside the block) their
+    sum no more than the block's own wall time. What any recording of sequential calls
+    satisfies by construction; no speed is asserted."""
+    before = {op: len(LATENCY.get(op, [])) for op in counts}
+    got: dict[str, list[float]] = {}
+    t = time.monotonic()
+    yield got
+    elapsed = time.monotonic() - t
+    for op, n in counts.items():
+        got[op] = LATENCY.get(op, [])[before[op]:]
+        assert len(got[op]) == n, (op, n, got[op])
+        assert all(0 < s < math.inf for s in got[op]), (op, got[op])
+    total = sum(sum(v) for v in got.values())
+    assert total <= elapsed + 1e-6, (total, elapsed, got)  # 1e-6: float rounding only
+
+
 def mount_cap(mode: int = Mode.SINGLE_NODE_WRITER) -> csi_pb2.VolumeCapability:
     return csi_pb2.VolumeCapability(mount=csi_pb2.VolumeCapability.MountVolume(),
                                     access_mode=Mode(mode=mode))
@@ -1777,14 +1797,18 @@ def test_fsdax_refuses_unsupported_fs_type(drv: Driver) -> None:
 
 
 def test_latency_samples(drv: Driver) -> None:
-    """Three create/publish/unpublish/delete rounds of a 64 MiB volume, for latency.json."""
-    for i in range(3):
-        vol = create(drv, unique(f"lat{i}"), 64 * MiB, {"numaNode": str(i % 2)},
-                     op="CreateVolume 64Mi (incl. erase)")
-        target = drv.target(f"lat-{i}")
-        publish(drv, vol.volume_id, target)
-        unpublish(drv, vol.volume_id, target)
-        delete(drv, vol.volume_id, op="DeleteVolume 64Mi (erase)")
+    """Three create/publish/unpublish/delete rounds of a 64 MiB volume, for latency.json:
+    three samples of each call, each a positive wall time, together within the rounds'."""
+    ops = ("CreateVolume 64Mi (incl. erase)", "NodePublishVolume", "NodeUnpublishVolume",
+           "DeleteVolume 64Mi (erase)")
+    with new_samples(dict.fromkeys(ops, 3)):
+        for i in range(3):
+            vol = create(drv, unique(f"lat{i}"), 64 * MiB, {"numaNode": str(i % 2)},
+                         op=ops[0])
+            target = drv.target(f"lat-{i}")
+            publish(drv, vol.volume_id, target)
+            unpublish(drv, vol.volume_id, target)
+            delete(drv, vol.volume_id, op=ops[3])
 
 
 # ================================================== model weights on the real devices
