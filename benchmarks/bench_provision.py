@@ -251,8 +251,8 @@ def share_on(backend, timer, state_dir: Path, size: int, reps: int, params: dict
     """CreateVolume then DeleteVolume (waiting for its erase), ``reps`` times after one
     warm-up: the call's wall time, ``timer.seconds`` (the back end, or ndctl) and the
     erase, per call (medians)."""
+    from csi_pmem.driver.config import DriverConfig
     from csi_pmem.driver.core import Driver as Core
-    from csi_pmem.driver.core import DriverConfig
     from csi_pmem.driver.daxsock import DaxSocketServer
     from csi_pmem.driver.params import parse
     from csi_pmem.driver.state import StateStore

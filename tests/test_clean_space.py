@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from csi_pmem.driver.backends.emulated import EmulatedBackend
-from csi_pmem.driver.core import Driver, DriverConfig
+from csi_pmem.driver.config import DriverConfig
+from csi_pmem.driver.core import Driver
 from csi_pmem.driver.daxsock import DaxSocketServer
 from csi_pmem.driver.erasing.cleanspace import FIRST_SEEN, CleanSpace
 from csi_pmem.driver.erasing.erase import EraseCancelled

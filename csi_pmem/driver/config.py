@@ -154,11 +154,20 @@ class ServeConfig:
     def backends(self) -> tuple[str, ...]:
         return tuple(self.backend.split(","))
 
+    def driver_config(self) -> DriverConfig:
+        """What the core is told: the flags it reads, under its own names and types."""
+        return DriverConfig(
+            driver_name=self.driver_name, node_id=self.node_id, kubelet_dir=self.kubelet_dir,
+            erase_threads=self.erase_threads or None,  # 0: one per CPU
+            erase_verify=self.erase_verify, erase_workers=self.erase_workers,
+            scrub=self.scrub == "auto", erase_wait=self.erase_wait_seconds,
+            delete_wait=self.delete_wait_seconds, device_node=self.device_node == "on")
+
 
 @dataclass(frozen=True)
 class DriverConfig:
-    """What the core (:class:`csi_pmem.driver.core.Driver`) is told, made from
-    :class:`ServeConfig` by the server; tests and benchmarks make it directly."""
+    """What the core (:class:`csi_pmem.driver.core.Driver`) is told: made from the flags
+    by :meth:`ServeConfig.driver_config`; tests and benchmarks make it directly."""
 
     driver_name: str
     node_id: str

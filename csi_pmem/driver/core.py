@@ -561,7 +561,6 @@ class Driver(Deletion, VolatileRecovery):
 __all__ = [
     "Capacity",
     "Driver",
-    "DriverConfig",
     "VolumeCondition",
     "is_volume_id",
     "volume_id_for",

@@ -21,7 +21,7 @@ import grpc
 from csi_pmem.csi import csi_pb2_grpc
 from csi_pmem.driver.backends.base import Backend
 from csi_pmem.driver.config import ServeConfig, grpc_address
-from csi_pmem.driver.core import Driver, DriverConfig
+from csi_pmem.driver.core import Driver
 from csi_pmem.driver.daxsock import DaxSocketServer
 from csi_pmem.driver.host.mounter import HostMounter, Mounter
 from csi_pmem.driver.instance import AlreadyRunning, StateDirLock
@@ -93,13 +93,7 @@ class Server:
         self.dax = DaxSocketServer(on_event=lambda kind, path:
                                    self.metrics.dax_connections.labels(kind).inc())
         self.driver = Driver(
-            DriverConfig(driver_name=cfg.driver_name, node_id=cfg.node_id,
-                         kubelet_dir=cfg.kubelet_dir, erase_threads=cfg.erase_threads or None,
-                         erase_verify=cfg.erase_verify, erase_workers=cfg.erase_workers,
-                         scrub=cfg.scrub == "auto", erase_wait=cfg.erase_wait_seconds,
-                         delete_wait=cfg.delete_wait_seconds,
-                         device_node=cfg.device_node == "on"),
-            self.backend, StateStore(cfg.state_dir), self.dax,
+            cfg.driver_config(), self.backend, StateStore(cfg.state_dir), self.dax,
             on_erase=self.metrics.observe_erase,
             on_erase_error=self.metrics.erase_failures.inc,
             on_recreate=self.metrics.observe_recreate,

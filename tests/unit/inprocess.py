@@ -22,7 +22,8 @@ import pytest
 
 from csi_pmem.csi import csi_pb2
 from csi_pmem.driver.backends.emulated import EmulatedBackend
-from csi_pmem.driver.core import Driver, DriverConfig
+from csi_pmem.driver.config import DriverConfig
+from csi_pmem.driver.core import Driver
 from csi_pmem.driver.daxsock import DaxSocketServer
 from csi_pmem.driver.servicers.controller import ControllerServicer
 from csi_pmem.driver.servicers.identity import IdentityServicer

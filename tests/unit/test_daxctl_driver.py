@@ -14,7 +14,8 @@ from fake_daxctl import FakeDaxKernel
 from csi_pmem.csi import csi_pb2
 from csi_pmem.daxclient import map_volume
 from csi_pmem.driver.backends.daxctl import DaxctlBackend
-from csi_pmem.driver.core import Driver, DriverConfig
+from csi_pmem.driver.config import DriverConfig
+from csi_pmem.driver.core import Driver
 from csi_pmem.driver.daxsock import DaxSocketServer
 from csi_pmem.driver.metrics import PoolCollector
 from csi_pmem.driver.servicers.controller import ControllerServicer

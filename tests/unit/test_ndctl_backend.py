@@ -1068,7 +1068,8 @@ def test_resumed_delete_destroys_the_raw_leftover_of_a_destroy_cut_short(sysroot
     name and label but the kernel lists it as a disabled raw namespace (its dax claim is
     gone; seen in the VM tier), which is no volume namespace. The resumed delete must
     still destroy it: it used to drop the record and leak the namespace and its label."""
-    from csi_pmem.driver.core import Driver, DriverConfig, volume_id_for
+    from csi_pmem.driver.config import DriverConfig
+    from csi_pmem.driver.core import Driver, volume_id_for
     from csi_pmem.driver.daxsock import DaxSocketServer
     from csi_pmem.driver.state import DELETING, RegionRecord, StateStore, VolumeRecord
 
