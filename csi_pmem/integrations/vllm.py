@@ -1,4 +1,4 @@
-"""vLLM's ``--load-format csi-pmem``: the plugin entry point and its settings.
+"""vLLM's ``--load-format csi-pmem``: the plugin entry point.
 
 Why a load format: vLLM's own loaders read safetensors files from ``--model``; a
 csi-pmem volume holds one mapping with an index instead. vLLM lets an installed package
@@ -6,74 +6,22 @@ add a format through the ``vllm.general_plugins`` entry point (pyproject.toml), 
 vLLM calls in every process it starts, before it parses a model; :func:`register`
 then registers :class:`~csi_pmem.integrations.vllm_loader.CsiPmemModelLoader`.
 
-Settings, from ``--model-loader-extra-config`` (JSON) first, then the environment, then
-the default (docs/inference.md):
+The format's settings (volume, model, verify) are read by the loader, from
+:mod:`csi_pmem.integrations.vllm_settings` (docs/inference.md).
 
-- ``volume`` / ``CSI_PMEM_VOLUME``: the volume (published directory, device or image
-  file); default ``--model``, so ``vllm serve /models`` works when ``/models`` is the
-  published volume (its config then comes from ``--hf-config-path``).
-- ``model`` / ``CSI_PMEM_MODEL``: the model's name on the volume; default the only one.
-- ``verify`` / ``CSI_PMEM_VERIFY`` (``true``/``false``): check every chunk against its
-  staged checksum beside the load (default true; a mismatch fails the start).
-
-This module imports no vLLM at import time: it is what the entry point names, and the
-settings are tested without vLLM.
+This module imports no vLLM at import time: it is what the entry point names, which
+vLLM imports in each of its processes. The loader, which needs vLLM and torch, is
+imported by :func:`register` only, and it never imports this module back: what both
+need (the format's name) is in ``vllm_settings``.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Any
+from csi_pmem.integrations.vllm_settings import LOAD_FORMAT
 
-from csi_pmem.weights.errors import LoaderError
-
-LOAD_FORMAT = "csi-pmem"
-ENV_VOLUME = "CSI_PMEM_VOLUME"
-ENV_MODEL = "CSI_PMEM_MODEL"
-ENV_VERIFY = "CSI_PMEM_VERIFY"
-KEYS = ("volume", "model", "verify")
+__all__ = ["LOAD_FORMAT", "register"]
 
 _registered = False
-
-
-@dataclass(frozen=True)
-class Settings:
-    volume: str
-    model: str | None
-    verify: bool
-
-
-def _flag(value: Any, where: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise LoaderError(f"{where} is {value!r}; use true or false")
-
-
-def settings(extra: dict[str, Any] | None, model_path: str,
-             env: dict[str, str] | os._Environ[str] = os.environ) -> Settings:
-    """The load's settings from vLLM's model-loader extra config, the environment and
-    ``--model`` (see the module docstring); unknown keys are an error, not ignored."""
-    extra = dict(extra or {})
-    unknown = sorted(set(extra) - set(KEYS))
-    if unknown:
-        raise LoaderError(f"--model-loader-extra-config has unknown key(s) "
-                          f"{', '.join(unknown)} for --load-format {LOAD_FORMAT}; "
-                          f"known: {', '.join(KEYS)}")
-    for key in ("volume", "model"):
-        if key in extra and not (isinstance(extra[key], str) and extra[key]):
-            raise LoaderError(f"--model-loader-extra-config {key!r} must be a non-empty "
-                              f"string, not {extra[key]!r}")
-    verify: Any = extra.get("verify", env.get(ENV_VERIFY, True))
-    where = ("--model-loader-extra-config 'verify'" if "verify" in extra else ENV_VERIFY)
-    return Settings(volume=extra.get("volume") or env.get(ENV_VOLUME) or model_path,
-                    model=extra.get("model") or env.get(ENV_MODEL) or None,
-                    verify=_flag(verify, where))
 
 
 def register() -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from csi_pmem.integrations.vllm import LOAD_FORMAT, Settings, settings
+from csi_pmem.integrations.vllm_settings import LOAD_FORMAT, Settings, settings
 from csi_pmem.loader.api import LoadHandle, start_load
 from csi_pmem.loader.auxfiles import read_aux
 from csi_pmem.loader.model import ModelView, open_model

@@ -1,11 +1,11 @@
 """The staged config and tokenizer files read back (csi_pmem.loader.auxfiles), and the
-vLLM plugin's settings (csi_pmem.integrations.vllm; no vLLM needed for either)."""
+vLLM plugin's settings (csi_pmem.integrations.vllm_settings; no vLLM needed for either)."""
 
 from __future__ import annotations
 
 import pytest
 
-from csi_pmem.integrations.vllm import ENV_MODEL, ENV_VERIFY, ENV_VOLUME, settings
+from csi_pmem.integrations.vllm_settings import ENV_MODEL, ENV_VERIFY, ENV_VOLUME, settings
 from csi_pmem.loader import (
     ChecksumError,
     LoaderError,
