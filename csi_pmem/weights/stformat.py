@@ -42,8 +42,6 @@ NUMPY_DTYPE = {
     "BF16": "<u2", "F8_E5M2": "|u1", "F8_E4M3": "|u1", "F8_E8M0": "|u1",
     "F4": "|u1", "F6_E2M3": "|u1", "F6_E3M2": "|u1",
 }
-RAW_IN_NUMPY = frozenset({"BF16", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F4", "F6_E2M3",
-                          "F6_E3M2"})
 SUB_BYTE = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
 
 
