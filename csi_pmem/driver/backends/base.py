@@ -1,9 +1,14 @@
-"""The one interface every back end implements (ndctl, emulated, and test fakes).
+"""The one interface every back end implements: ndctl (NVDIMM and CXL persistent memory
+regions), daxctl (dynamic dax regions: soft-reserved and CXL volatile memory), emulated
+(files), the composite that puts several behind one (``--backend ndctl,daxctl``), and
+the test fakes.
 
 Why an interface: the servicers and the driver core must behave identically whether
-namespaces live on real NVDIMM regions (``ndctl``) or in files (``emulated``). The
-contract, including the error types, is fixed here; implementations hold no CSI
-knowledge. Sizes are raw namespace sizes unless named ``usable``.
+namespaces live on real NVDIMM regions (``ndctl``), on dax devices carved from dynamic
+regions (``daxctl``) or in files (``emulated``). The contract, including the error types,
+is fixed here; implementations hold no CSI knowledge. Sizes are raw namespace sizes
+unless named ``usable``. What back ends share beyond the contract lives here too: the
+device open (:func:`open_node`) and the short-lived listing cache (:class:`ListingCache`).
 
 Contract:
 - ``pools()`` lists every region, usable or not; unusable ones say why in ``problem``.
@@ -43,7 +48,11 @@ from __future__ import annotations
 import abc
 import errno
 import os
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Generic, TypeVar
 
 from csi_pmem.errors import FailedPrecondition, NotFound, from_os_error
 from csi_pmem.sizes import allocation_for, allocation_step, devdax_usable, round_down, round_up
@@ -181,6 +190,10 @@ class Backend(abc.ABC):
                 return ns
         return None
 
+    def pool(self, name: str) -> Pool | None:
+        """The pool called ``name``, or None when this node has none of that name."""
+        return next((p for p in self.pools() if p.name == name), None)
+
     @abc.abstractmethod
     def create(self, name: str, pool: str, size: int, align: int,
                mode: str = "devdax") -> Namespace: ...
@@ -213,8 +226,6 @@ class Backend(abc.ABC):
         return sum(p.label_slots for p in self.pools())
 
     def device_present(self, ns: Namespace) -> bool:
-        import os
-
         return os.path.exists(ns.device)
 
     def setup_node(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
@@ -227,3 +238,49 @@ class Backend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
         """Release resources (threads, caches). Namespaces stay."""
+
+
+T = TypeVar("T")
+
+
+class ListingCache(Generic[T]):
+    """One listing (``ndctl list``, ``daxctl list``) shared by reads for ``seconds``.
+
+    Reads (GetCapacity, ListVolumes, metrics scrapes) share it for a short while;
+    creates and destroys list afresh and drop it, and the device watcher drops it on
+    every nd/dax uevent, so it is never stale about the driver's own changes. A listing
+    that began before :meth:`invalidate` and ended after it is stale and never becomes
+    the cache (a scrape listing while a scrub destroyed its scratch namespace made
+    GetCapacity report the space taken): take :meth:`generation` before listing and
+    hand it to :meth:`keep` with the result.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._entry: tuple[float, T] | None = None
+        self._generation = 0
+
+    def generation(self) -> int:
+        with self._lock:
+            return self._generation
+
+    def keep(self, generation: int, value: T) -> None:
+        """Cache ``value``, listed since :meth:`generation` returned ``generation``."""
+        with self._lock:
+            if generation == self._generation:
+                self._entry = (time.monotonic(), value)
+
+    def get(self, list_afresh: Callable[[], T]) -> T:
+        """The cached listing while it is fresh, else ``list_afresh()`` (which keeps
+        what it lists)."""
+        with self._lock:
+            entry = self._entry
+        if entry is not None and time.monotonic() - entry[0] < self.seconds:
+            return entry[1]
+        return list_afresh()
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._entry = None
+            self._generation += 1

@@ -52,6 +52,7 @@ from csi_pmem.driver.backends.base import (
     REASON_SYSTEM_RAM,
     VOLATILE,
     Backend,
+    ListingCache,
     Namespace,
     Pool,
     open_node,
@@ -122,11 +123,9 @@ class DaxctlBackend(Backend):
         self._records = DeviceRecords(state_path)
         self.setup = setup
         self._timeout = timeout
-        self.cache_seconds = cache_seconds
-        self._cache: tuple[float, list[DaxRegion]] | None = None
-        self._no_region: tuple[float, Pool] | None = None  # cxl list is not free
-        self._cache_generation = 0
-        self._cache_lock = threading.Lock()
+        self._cache: ListingCache[list[DaxRegion]] = ListingCache(cache_seconds)
+        # The pool that says why there is no region: cxl list is not free.
+        self._no_region: ListingCache[Pool] = ListingCache(max(cache_seconds, 30))
         self._write_lock = threading.RLock()
         self._setup_failed: dict[int, tuple[str, float]] = {}  # region -> (why, when)
         self._placed: dict[str, tuple[int, str]] = {}  # pool -> (node, how), as logged
@@ -140,28 +139,20 @@ class DaxctlBackend(Backend):
         argv = [self._daxctl, "list", "--regions", "--devices", "--mappings", "--idle"]
         if prepare and self._cxl_regions is not None:
             self._make_cxl_regions()  # at most once a minute: retries, hot-added devices
-        with self._cache_lock:
-            generation = self._cache_generation
+        generation = self._cache.generation()
         regions = [r for r in parse_regions(self._runner.run_json(argv, timeout=self._timeout))
                    if is_dynamic(r, self._sysfs)]
         if prepare and self.setup == "reconfigure" and self._prepare(regions):
             return self._list(prepare=False)
-        with self._cache_lock:
-            if generation == self._cache_generation:
-                self._cache = (time.monotonic(), regions)
+        self._cache.keep(generation, regions)
         return regions
 
     def _cached_list(self) -> list[DaxRegion]:
-        with self._cache_lock:
-            cached = self._cache
-        if cached is not None and time.monotonic() - cached[0] < self.cache_seconds:
-            return cached[1]
-        return self._list()
+        return self._cache.get(self._list)
 
     def invalidate(self) -> None:
-        with self._cache_lock:
-            self._cache = self._no_region = None
-            self._cache_generation += 1
+        self._cache.invalidate()
+        self._no_region.invalidate()
 
     def _owned(self, regions: list[DaxRegion]) -> dict[str, DaxDevice]:
         return match(self._records.entries(), regions, boot_id(self._proc))
@@ -211,17 +202,16 @@ class DaxctlBackend(Backend):
     def _no_region_pool(self) -> Pool:
         """No dynamic dax region: one unusable pool that says why, so that logs, metrics
         (``csi_pmem_pool_usable{reason}``) and CreateVolume name the cause."""
-        with self._cache_lock:
-            cached = self._no_region
-        if cached is not None and time.monotonic() - cached[0] < max(self.cache_seconds, 30):
-            return cached[1]
+        return self._no_region.get(self._list_no_region)
+
+    def _list_no_region(self) -> Pool:
+        generation = self._no_region.generation()
         reason, text = no_region_problem(read_text(self._proc / "cmdline"),
                                          read_text(self._proc / "iomem"), self._cxl_state())
         pool = Pool(name=NO_REGION_POOL, numa_node=-1, size=0, free=0, largest_extent=0,
                     align=2 * MiB, problem=text, reasons=(reason,), media=VOLATILE,
                     struct_pages_on_media=False)
-        with self._cache_lock:
-            self._no_region = (time.monotonic(), pool)
+        self._no_region.keep(generation, pool)
         return pool
 
     def _cxl_state(self) -> CxlState | None:

@@ -39,6 +39,7 @@ from csi_pmem.driver.backends.base import (
     REASON_MODE,
     REASON_READ_ONLY,
     Backend,
+    ListingCache,
     Namespace,
     Pool,
     open_node,
@@ -132,16 +133,7 @@ class NdctlBackend(Backend):
         self._timeout = timeout
         self._learned: dict[str, tuple[str, str, float]] = {}
         self._learned_lock = threading.Lock()  # pools() may run outside the node lock
-        # Reads (GetCapacity, ListVolumes, metrics scrapes) share one listing for a short
-        # while; create/destroy always list afresh and drop it, and the device watcher
-        # drops it on every nd/dax uevent, so it is never stale about our own changes.
-        self.cache_seconds = cache_seconds
-        self._cache: tuple[float, Listing] | None = None
-        # Bumped by invalidate(): a listing that began before a change and ended after
-        # it is stale, and must not become the cache (a scrape listing while a scrub
-        # destroyed its scratch namespace made GetCapacity report the space taken).
-        self._cache_generation = 0
-        self._cache_lock = threading.Lock()
+        self._cache: ListingCache[Listing] = ListingCache(cache_seconds)
 
     # -- listing --------------------------------------------------------------------
     def _list(self) -> Listing:
@@ -150,25 +142,16 @@ class NdctlBackend(Backend):
         # found), the dax devices (--verbose implies -X) and DIMM mappings (--dimms).
         argv = [self._ndctl, "list", "--regions", "--namespaces", "--dimms", "--idle",
                 "--verbose"]
-        with self._cache_lock:
-            generation = self._cache_generation
+        generation = self._cache.generation()
         listing = normalise(self._runner.run_json(argv, timeout=self._timeout))
-        with self._cache_lock:
-            if generation == self._cache_generation:
-                self._cache = (time.monotonic(), listing)
+        self._cache.keep(generation, listing)
         return listing
 
     def _cached_list(self) -> Listing:
-        with self._cache_lock:
-            cached = self._cache
-        if cached is not None and time.monotonic() - cached[0] < self.cache_seconds:
-            return cached[1]
-        return self._list()
+        return self._cache.get(self._list)
 
     def invalidate(self) -> None:
-        with self._cache_lock:
-            self._cache = None
-            self._cache_generation += 1
+        self._cache.invalidate()
 
     @staticmethod
     def _pmem_regions(listing: Listing) -> Iterable[dict[str, Any]]:

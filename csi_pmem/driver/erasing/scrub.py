@@ -196,7 +196,7 @@ class Scrubber:
 
     def _pool(self, name: str) -> Pool | None:
         self.backend.invalidate()
-        return next((p for p in self.backend.pools() if p.name == name), None)
+        return self.backend.pool(name)
 
     # ------------------------------------------------------------------ start-up
     def recover(self) -> None:
