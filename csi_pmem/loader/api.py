@@ -68,6 +68,17 @@ class LoadHandle:
         self.verified.result(timeout)
         return tensors
 
+    def drop(self) -> None:
+        """Forget the loaded tensors once the load is done: a consumer that owns them
+        from here (a batched load, :mod:`csi_pmem.loader.batches`) frees their device
+        memory when it lets them go, not when this handle is collected."""
+        if not self.done.done():
+            raise RuntimeError("drop() before the load is done")
+        self.tensors.clear()
+        self.files.clear()
+        if self.done.exception() is None:
+            self.done.result().clear()
+
     def _tensor(self, name: str, value: Any) -> None:
         self.tensors[name].set_result(value)
 

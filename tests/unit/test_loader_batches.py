@@ -1,0 +1,137 @@
+"""Batched loads (csi_pmem.loader.batches): the cut, the order, the bound on batches in
+flight and the verification, without a GPU.
+
+The device copy is the one seam: each batch's ``start_load`` is replaced by the real
+``start_load`` of the same names on the CPU (numpy views of the mapping), so every
+other part (the selection, the cut, the look-ahead, the handle's ``drop``, checksum
+verification of a damaged volume) runs as it does on a GPU. What only a GPU shows, the
+device memory a batch holds, is measured by benchmarks/bench_vllm.py.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+from csi_pmem.loader import ChecksumError, open_model, start_load
+from csi_pmem.loader import batches as batches_mod
+from csi_pmem.loader.batches import BatchedLoad, plan_batches
+
+import loader_models as lm
+
+MiB = lm.MiB
+
+
+@pytest.fixture
+def shm(tmp_path):
+    with lm.shm_scratch(tmp_path, "csi-pmem-batches") as d:
+        yield d
+
+
+class CpuStart:
+    """``start_load`` of each batch, on the CPU; logs when each batch starts, counted
+    against the tensors the consumer has taken."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+        self.taken = 0
+
+    def __call__(self, view, device, *, names, verify, loader):
+        assert device == "cuda:0" and loader is None
+        names = list(names)
+        self.events.append(("start", self.taken))
+        return start_load(view, "cpu", names=names, verify=verify, framework="numpy")
+
+
+def staged(shm, sharded=True):
+    src = shm / "src"
+    ref = lm.sharded_model(src, shards=3, per_shard=4) if sharded else lm.numpy_tensors()
+    if not sharded:
+        lm.save_numpy_model(src, ref)
+    vol = lm.staged_volume(src, shm / "vol.img")
+    return vol, ref
+
+
+def test_plan_cuts_runs_within_files_and_keeps_large_tensors_whole(shm):
+    vol, _ = staged(shm)
+    view = open_model(vol)
+    try:
+        selection = view.select()
+        sizes = sorted({t.nbytes for ts in selection.values() for t in ts})
+        limit = sizes[-1] + sizes[0]  # room for one large tensor and a small one at most
+        cut = plan_batches(selection, limit)
+        flat = [t for ts in selection.values() for t in sorted(ts, key=lambda t: t.offset)]
+        assert [t.name for b in cut for t in b] == [t.name for t in flat]  # volume order
+        files = {t.name: f for f, ts in selection.items() for t in ts}
+        for batch in cut:
+            assert len({files[t.name] for t in batch}) == 1  # never across files
+            assert len(batch) == 1 or sum(t.nbytes for t in batch) <= limit
+        alone = plan_batches(selection, 1)  # every tensor over the limit: one per batch
+        assert [len(b) for b in alone] == [1] * len(flat)
+    finally:
+        view.volume.close()
+
+
+def test_every_tensor_once_in_volume_order_with_two_batches_at_most(shm, monkeypatch):
+    vol, ref = staged(shm)
+    start = CpuStart()
+    monkeypatch.setattr(batches_mod, "start_load", start)
+    view = open_model(vol)
+    try:
+        load = BatchedLoad(view, "cuda:0", budget=2 * 9000)
+        assert len(load.batches) > 3
+        got = {}
+        for name, tensor in load:
+            got[name] = np.array(tensor)
+            start.taken += 1
+        load.verified()
+        lm.assert_same(got, ref)
+        order = [t.name for b in load.batches for t in b]
+        assert list(got) == order
+        # Batch k+1 starts once the consumer took the first tensor of batch k: so at
+        # most two batches (the one read, the one loading) hold memory at any time.
+        firsts = [0]
+        for b in load.batches[:-1]:
+            firsts.append(firsts[-1] + len(b))
+        assert start.events == [("start", 0)] + [("start", n + 1) for n in firsts[:-1]]
+        assert load.nbytes == sum(a.nbytes for a in ref.values())
+        assert load.path == "cpu-view"
+    finally:
+        view.volume.close()
+
+
+def test_a_damaged_chunk_fails_the_load(shm, monkeypatch):
+    vol, _ = staged(shm)
+    view = open_model(vol)
+    entry = view.file(next(iter(view.headers)))
+    view.volume.close()
+    with open(vol, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[entry.end - 1] ^= 0xFF  # the last byte of the first file's last tensor
+    monkeypatch.setattr(batches_mod, "start_load", CpuStart())
+    view = open_model(vol)
+    try:
+        load = BatchedLoad(view, "cuda:0", budget=2 * 9000)
+        for _ in load:
+            pass
+        with pytest.raises(ChecksumError, match="do not match their staged checksums"):
+            load.verified()
+    finally:
+        view.volume.close()
+
+
+def test_bad_arguments_are_refused(shm):
+    vol, _ = staged(shm)
+    view = open_model(vol)
+    try:
+        with pytest.raises(ValueError, match="CUDA device"):
+            BatchedLoad(view, "cpu")
+        with pytest.raises(ValueError, match="budget"):
+            BatchedLoad(view, "cuda:0", budget=0)
+        load = BatchedLoad(view, "cuda:0", names=[])
+        assert load.batches == [] and list(load) == []
+        with pytest.raises(RuntimeError, match="once"):
+            list(load)
+    finally:
+        view.volume.close()
