@@ -255,7 +255,7 @@ def compare(got: dict[str, Any], ref: dict[str, dict[str, Any]], dev: Any) -> st
 
 # --- the worker and the reference (each its own process) ------------------------------
 
-def _cuda(device: str) -> Any:
+def cuda_device(device: str) -> Any:
     """torch and the device, with the CUDA context created and idle."""
     import torch
 
@@ -288,7 +288,7 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
                 sys.stderr.flush()
                 os.execve(sys.executable, [sys.executable, *sys.argv],
                           {**os.environ, **extra, REEXEC: "1"})
-        torch, dev = _cuda(ctx.device)
+        torch, dev = cuda_device(ctx.device)
         ctx.device = str(dev)
         if method.setup is not None:
             method.setup(ctx)
@@ -316,7 +316,7 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
 def reference_main(spec: dict[str, Any], out_path: str) -> int:
     """Fingerprints of every tensor as safetensors reads it to the CPU, computed on the
     GPU with the workers' code; also the environment only torch can report."""
-    torch, dev = _cuda(spec["device"])
+    torch, dev = cuda_device(spec["device"])
     from safetensors.torch import load_file
 
     tensors: dict[str, Any] = {}
@@ -450,11 +450,13 @@ def tail(path: str, n: int = 15) -> str:
 
 
 def measure(label: str, base: str, volume: str | None, rnd: int, common: dict[str, Any],
-            args: argparse.Namespace, logs: str) -> dict[str, Any]:
-    """One fresh worker for one method; the record of that round."""
+            args: argparse.Namespace, logs: str, script: str = __file__,
+            keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One fresh worker for one method; the record of that round. ``script`` runs the
+    worker (bench_vllm.py reuses this harness); ``keys``: more result fields to keep."""
     spec = {**common, "base": base, "volume": volume}
     stem = os.path.join(logs, f"r{rnd}-{label.replace('/', '_')}")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", label,
+    cmd = [sys.executable, str(Path(script).resolve()), "--worker", label,
            "--spec", json.dumps(spec)]
     rc, status, wall = run_worker(cmd, args.timeout_s, stem + ".out", stem + ".err")
     got = last_json(stem + ".out") or {}
@@ -470,7 +472,7 @@ def measure(label: str, base: str, volume: str | None, rnd: int, common: dict[st
         rec["status"] = "no result"
     else:
         rec.update({k: got[k] for k in ("bytes", "seconds", "GB/s", "exact", "mismatch",
-                                        "tensors") if k in got}, status="ok")
+                                        "tensors", *keys) if k in got}, status="ok")
         if rec.get("exact") is False:
             rec["status"] = "inexact"
     return rec
@@ -767,9 +769,10 @@ def environment(args: argparse.Namespace, src: str, volumes: list[str],
             "peers": versions, **ref_env}
 
 
-def make_reference(common: dict[str, Any], args: argparse.Namespace, logs: str) -> dict:
+def make_reference(common: dict[str, Any], args: argparse.Namespace, logs: str,
+                   script: str = __file__) -> dict:
     path = common["reference"]
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--make-reference", path,
+    cmd = [sys.executable, str(Path(script).resolve()), "--make-reference", path,
            "--spec", json.dumps(common)]
     t = time.perf_counter()
     rc, status, _ = run_worker(cmd, args.timeout_s, os.path.join(logs, "reference.out"),

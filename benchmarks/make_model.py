@@ -40,6 +40,37 @@ def layer_shapes(hidden: int) -> list[tuple[str, tuple[int, ...], str]]:
             ("mlp.down_proj.weight", (hidden, inter), "BF16")]
 
 
+# Llama-3-8B's shapes (hidden 4096, 32 layers, GQA with 8 KV heads, MLP 14336, vocab
+# 128256) with q/k/v biases as Qwen2 has them: 16.06 GB of bf16 in 387 tensors of mixed
+# sizes, from 8 KB biases to 1 GB embeddings; what a vLLM-shaped load must stream.
+LLAMA3_8B = {"hidden": 4096, "layers": 32, "kv": 1024, "inter": 14336, "vocab": 128256}
+
+
+def llama3_8b() -> tuple[int, list[tuple[str, tuple[int, ...], str]]]:
+    h, kv, inter = LLAMA3_8B["hidden"], LLAMA3_8B["kv"], LLAMA3_8B["inter"]
+    layer = [("input_layernorm.weight", (h,), "BF16"),
+             ("self_attn.q_proj.weight", (h, h), "BF16"),
+             ("self_attn.q_proj.bias", (h,), "BF16"),
+             ("self_attn.k_proj.weight", (kv, h), "BF16"),
+             ("self_attn.k_proj.bias", (kv,), "BF16"),
+             ("self_attn.v_proj.weight", (kv, h), "BF16"),
+             ("self_attn.v_proj.bias", (kv,), "BF16"),
+             ("self_attn.o_proj.weight", (h, h), "BF16"),
+             ("post_attention_layernorm.weight", (h,), "BF16"),
+             ("mlp.gate_proj.weight", (inter, h), "BF16"),
+             ("mlp.up_proj.weight", (inter, h), "BF16"),
+             ("mlp.down_proj.weight", (h, inter), "BF16")]
+    tensors = [("model.embed_tokens.weight", (LLAMA3_8B["vocab"], h), "BF16")]
+    for i in range(LLAMA3_8B["layers"]):
+        tensors += [(f"model.layers.{i}.{n}", s, d) for n, s, d in layer]
+    tensors += [("model.norm.weight", (h,), "BF16"),
+                ("lm_head.weight", (LLAMA3_8B["vocab"], h), "BF16")]
+    return h, tensors
+
+
+SHAPES = ("synthetic", "llama3-8b")
+
+
 def nbytes(shape: tuple[int, ...], dtype: str) -> int:
     return int(np.prod(shape)) * (4 if dtype == "F32" else 2)
 
@@ -99,9 +130,11 @@ def write_shard(path: str, tensors: list, block: np.ndarray, seed: int) -> int:
     return off
 
 
-def make(size: int, out: str, shard_bytes: int = 5 * 10**9, seed: int = 0) -> dict:
+def make(size: int, out: str, shard_bytes: int = 5 * 10**9, seed: int = 0,
+         shape: str = "synthetic") -> dict:
+    """``shape``: "synthetic" (sized to ``size``) or "llama3-8b" (``size`` unused)."""
     os.makedirs(out, exist_ok=True)
-    hidden, tensors = plan(size)
+    hidden, tensors = llama3_8b() if shape == "llama3-8b" else plan(size)
     block = np.random.default_rng(seed).integers(0, 256, BLOCK, dtype=np.uint8)
     shards = shard(tensors, shard_bytes)
     weight_map, total = {}, 0
@@ -112,19 +145,23 @@ def make(size: int, out: str, shard_bytes: int = 5 * 10**9, seed: int = 0) -> di
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump({"model_type": "synthetic", "hidden_size": hidden,
+        json.dump({"model_type": "synthetic", "shape": shape, "hidden_size": hidden,
                    "num_tensors": len(tensors)}, f, indent=1)
     return {"bytes": total, "tensors": len(tensors), "shards": len(shards), "hidden": hidden}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size-gb", type=float, required=True, help="total weight bytes, in GB")
+    p.add_argument("--size-gb", type=float, default=0.0,
+                   help="total weight bytes, in GB (the synthetic shape)")
+    p.add_argument("--shape", choices=SHAPES, default="synthetic")
     p.add_argument("--out", required=True)
     p.add_argument("--shard-gb", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    info = make(int(a.size_gb * 1e9), a.out, int(a.shard_gb * 1e9), a.seed)
+    if a.shape == "synthetic" and a.size_gb <= 0:
+        p.error("--size-gb is required for the synthetic shape")
+    info = make(int(a.size_gb * 1e9), a.out, int(a.shard_gb * 1e9), a.seed, a.shape)
     print(json.dumps(info))
     return 0
 
