@@ -70,6 +70,7 @@ from tests.test_csi_sanity import (  # noqa: E402
     FLAVOURS,
     SANITY_DIR,
     Flavour,
+    Results,
     parse_junit,
     sanity_argv,
     summarise,
@@ -779,17 +780,26 @@ def test_csi_sanity(drv: Driver, flavour: str) -> None:
     if why:
         FACTS.setdefault("csi_sanity", {})[flavour] = {"skipped": why}
         pytest.skip(why)
+    res, text = run_sanity(drv, binary, flavour, vm_fl, timeout=1400)
+    assert not res.failed, text
+
+
+def run_sanity(drv: Driver, binary: str, flavour: str, fl: Flavour,
+               timeout: float) -> tuple[Results, str]:
+    """csi-sanity on the parameter file ``flavour`` against ``drv`` (every guest suite's
+    csi-sanity test): its output, JUnit report and summary go to $E2E_VM_OUT, its counts
+    to facts.json; returns the parsed report and the summary, for the caller's asserts."""
     work = drv.base  # sanity_argv puts mountdir/stagingdir under <work>/kubelet
     report = work / "junit.xml"
     report.unlink(missing_ok=True)
-    argv = sanity_argv(binary, f"unix://{drv.sock}", work, SANITY_DIR / flavour, vm_fl)
+    argv = sanity_argv(binary, f"unix://{drv.sock}", work, SANITY_DIR / flavour, fl)
     name = flavour.removesuffix(".yaml")
     t = time.monotonic()
     with open(OUT / f"csi-sanity-{name}.out", "wb") as out:
         out.write(("$ " + " ".join(argv) + "\n").encode())
         out.flush()
         proc = subprocess.run(argv, cwd=work, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=1400, check=False)
+                              timeout=timeout, check=False)
     seconds = time.monotonic() - t
     assert report.exists(), f"csi-sanity wrote no JUnit report (exit {proc.returncode})"
     shutil.copy(report, OUT / f"csi-sanity-{name}.xml")
@@ -800,8 +810,8 @@ def test_csi_sanity(drv: Driver, flavour: str) -> None:
     FACTS.setdefault("csi_sanity", {})[flavour] = {
         "passed": len(res.passed), "skipped": len(res.skipped), "pending": len(res.pending),
         "failed": len(res.failed), "seconds": round(seconds, 1), "exit": proc.returncode,
-        "volume_size": vm_fl.volume_size, "access_type": vm_fl.access_type}
-    assert not res.failed, text
+        "volume_size": fl.volume_size, "access_type": fl.access_type}
+    return res, text
 
 
 @pytest.mark.parametrize("numa", ["0", "1", "auto"])

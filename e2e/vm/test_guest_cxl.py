@@ -33,11 +33,8 @@ import json
 import os
 import re
 import secrets
-import shutil
 import statistics
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +49,16 @@ from csi_pmem.driver.backends.daxctl_listing import DaxRegion, parse_regions  # 
 from csi_pmem.loader import load_numpy  # noqa: E402
 from csi_pmem.sizes import MiB  # noqa: E402
 from csi_pmem.weights.errors import LoaderError  # noqa: E402
+from e2e.vm import dax_guest as dg  # noqa: E402
 from e2e.vm import test_guest as tg  # noqa: E402
-from e2e.vm import test_guest_dax as td  # noqa: E402
 from e2e.vm import weights_guest as wg  # noqa: E402
-from tests.test_csi_sanity import FLAVOURS, SANITY_DIR, parse_junit, sanity_argv, summarise  # noqa: E402
+from e2e.vm.dax_guest import (  # noqa: E402
+    driver_session_fixture,  # noqa: F401 (a fixture: dax_guest.py)
+    drv_fixture,  # noqa: F401 (a fixture)
+    leak_check,  # noqa: F401 (an autouse fixture)
+    results,  # noqa: F401 (an autouse fixture)
+)
+from tests.test_csi_sanity import FLAVOURS  # noqa: E402
 
 pytestmark = pytest.mark.vmconfig("cxl")
 
@@ -71,7 +74,6 @@ WORK = Path("/tmp/e2e-cxl")
 # descriptor or out of resources") and the guest hangs. make_model is deterministic,
 # so the reboot builds the same model again.
 MODEL = WORK / "model-reboot"
-_SESSION: dict[str, Any] = {}
 
 
 # ---------------------------------------------------------------------------- cxl
@@ -142,8 +144,8 @@ def _nvdimm_debug() -> None:
 
 
 def ram_region() -> DaxRegion:
-    found = [r for r in parse_regions(td.daxctl_list()) if "/decoder" in r.path]
-    assert len(found) == 1, f"expected one CXL dax region: {td.daxctl_list()}"
+    found = [r for r in parse_regions(dg.daxctl_list()) if "/decoder" in r.path]
+    assert len(found) == 1, f"expected one CXL dax region: {dg.daxctl_list()}"
     return found[0]
 
 
@@ -162,7 +164,7 @@ def cpu_nodes() -> set[int]:
 
 # --------------------------------------------------------------------------- driver
 
-class CxlDriver(td.DaxDriver):
+class CxlDriver(dg.DaxDriver):
     """``--backend ndctl,daxctl --cxl <trixie's cxl>``, state dir in the results share."""
 
     def argv(self) -> list[str]:
@@ -181,60 +183,19 @@ def boot_state() -> dict[str, Any]:
     return state
 
 
-@pytest.fixture(scope="session")
-def driver_session(boot_state: dict[str, Any]) -> Iterator[CxlDriver]:
-    if BASE.exists():
-        shutil.rmtree(BASE)
-    BASE.mkdir(parents=True)
-    d = CxlDriver(BASE)
-    d.setup = "off" if CONFIG == "cxl" else "reconfigure"
-    _SESSION["driver"] = d
-    FACTS["driver_start_seconds"] = round(d.start(), 2)
-    yield d
-    d.stop()
-
-
-@pytest.fixture
-def drv(driver_session: CxlDriver) -> CxlDriver:
-    d = driver_session
-    if d.running and (d.failpoints or d.extra or d.setup != "reconfigure"):
-        d.stop()
-    d.extra, d.setup = [], "reconfigure"
-    if not d.running:
-        FACTS.setdefault("driver_restart_seconds", []).append(round(d.start(), 2))
-    return d
-
-
-@pytest.fixture(scope="session", autouse=True)
-def results() -> Iterator[None]:
-    yield
-    tg._write_results()
-
-
-@pytest.fixture(autouse=True)
-def leak_check(request: pytest.FixtureRequest, boot_state: dict[str, Any]) -> Iterator[None]:
-    """After every test: no dax device, namespace, record or mount left behind."""
-    yield
-    if request.node.get_closest_marker("no_leak_check"):
-        return
-    d = _SESSION.get("driver")
-    if d is not None and d.running:
-        tg.wait_erase_idle()
-    problems = []
+def leaks() -> list[str]:
+    """This suite's part of the leak check: dax devices in the CXL ram region (once
+    there is one). Every namespace counts as left (boot_state lists none)."""
     if cxl_list("-R") and own_devices():
-        problems.append(f"dax devices left in the CXL ram region: {own_devices()}")
-    left = [ns.get("dev") for ns in tg.all_namespaces()]
-    if left:
-        problems.append(f"namespaces left: {left}")
-    records = sorted(p.name for p in (OUT / "state" / "volumes").glob("*.json"))
-    if records:
-        problems.append(f"state records left: {records}")
-    with open("/proc/self/mountinfo") as f:
-        mounts = [line.split()[4] for line in f if f" {BASE}/kubelet/" in line]
-    if mounts:
-        problems.append(f"mounts left under the kubelet dir: {mounts}")
-    if problems:
-        pytest.fail("leak check: " + "\n".join(problems), pytrace=False)
+        return [f"dax devices left in the CXL ram region: {own_devices()}"]
+    return []
+
+
+@pytest.fixture(scope="session")
+def dax_suite() -> dg.Suite:
+    """cxl: the first start sees the memory devices without regions (setup off); the
+    shared fixtures (dax_guest.py) run the driver and the leak check."""
+    return dg.Suite(CxlDriver, first_boot="cxl", leaks=leaks)
 
 
 def marker_at_end(target: str, marker: bytes) -> int:
@@ -305,7 +266,7 @@ def test_setup_turns_system_ram_to_devdax(drv: CxlDriver) -> None:
     """--dax-setup=reconfigure: the driver offlines the system-ram device, turns it to
     devdax, shrinks it to 0 and offers the whole region on a node with CPUs."""
     tg.wait_erase_idle()
-    td.save_listing("after-setup")
+    dg.save_listing("after-setup")
     ram = ram_region()
     assert ram.sized() == [] and ram.available == DEVICE_SIZE, ram
     assert re.search(rf"dax set-up: {ram.name}\.0 .* given back to device-dax",
@@ -333,28 +294,7 @@ def test_setup_turns_system_ram_to_devdax(drv: CxlDriver) -> None:
 @pytest.mark.parametrize("flavour", ["devdax-persistent.yaml", "devdax-volatile.yaml"])
 def test_csi_sanity(drv: CxlDriver, flavour: str) -> None:
     binary = tg._sanity_binary()
-    fl = FLAVOURS[flavour]
-    report = drv.base / "junit.xml"
-    report.unlink(missing_ok=True)
-    argv = sanity_argv(binary, f"unix://{drv.sock}", drv.base, SANITY_DIR / flavour, fl)
-    name = flavour.removesuffix(".yaml")
-    t = time.monotonic()
-    with open(OUT / f"csi-sanity-{name}.out", "wb") as out:
-        out.write(("$ " + " ".join(argv) + "\n").encode())
-        out.flush()
-        proc = subprocess.run(argv, cwd=drv.base, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=840, check=False)
-    seconds = time.monotonic() - t
-    assert report.exists(), f"csi-sanity wrote no JUnit report (exit {proc.returncode})"
-    shutil.copy(report, OUT / f"csi-sanity-{name}.xml")
-    res = parse_junit(report)
-    text = summarise(flavour, res)
-    (OUT / f"csi-sanity-{name}.txt").write_text(text + "\n")
-    print(text)
-    FACTS.setdefault("csi_sanity", {})[flavour] = {
-        "passed": len(res.passed), "skipped": len(res.skipped), "pending": len(res.pending),
-        "failed": len(res.failed), "seconds": round(seconds, 1), "exit": proc.returncode,
-        "volume_size": fl.volume_size, "access_type": fl.access_type}
+    res, text = tg.run_sanity(drv, binary, flavour, FLAVOURS[flavour], timeout=840)
     assert not res.failed, text
     assert res.passed, text
 
@@ -368,13 +308,13 @@ def test_core_workflow(drv: CxlDriver, media: str) -> None:
     pool = nd_region()["dev"] if media == "persistent" else ram_region().name
     vol = tg.create(drv, tg.unique(f"core{media[0]}"), size, params)
     try:
-        rec = td.record(drv, vol.volume_id)
+        rec = dg.record(drv, vol.volume_id)
         assert rec["pool"] == pool and rec["numa_node"] in cpu_nodes(), rec
         fact = {"pool": rec["pool"], "device": rec["device"], "numa_node": rec["numa_node"],
                 "usable_size": rec["usable_size"]}
         target = drv.target(f"core-{media}")
         with tg.published(drv, vol.volume_id, target):
-            offsets = td.write_read(target, pattern)
+            offsets = dg.write_read(target, pattern)
             ro = drv.target(f"core-{media}-ro")
             with tg.published(drv, vol.volume_id, ro, readonly=True):
                 md, m = map_volume(ro)
@@ -388,8 +328,8 @@ def test_core_workflow(drv: CxlDriver, media: str) -> None:
     finally:
         tg.delete(drv, vol.volume_id, op=f"DeleteVolume (erase) {media}")
     tg.wait_erase_idle()
-    with td.volume(drv, tg.unique(f"reuse{media[0]}"), size, params) as vol2:
-        rec2 = td.record(drv, vol2.volume_id)
+    with dg.volume(drv, tg.unique(f"reuse{media[0]}"), size, params) as vol2:
+        rec2 = dg.record(drv, vol2.volume_id)
         fact["reuse_device"] = rec2["device"]
         target = drv.target(f"reuse-{media}")
         with tg.published(drv, vol2.volume_id, target):
@@ -429,7 +369,7 @@ def test_weights_on_cxl_ram(drv: CxlDriver) -> None:
     bit-exact; the sidecar's first start stages and its warm restart copies nothing."""
     WORK.mkdir(parents=True, exist_ok=True)
     model = wg.make_model(WORK / "model")
-    with td.volume(drv, tg.unique("w"), 64 * MiB, VOLATILE) as vol, \
+    with dg.volume(drv, tg.unique("w"), 64 * MiB, VOLATILE) as vol, \
             tg.published(drv, vol.volume_id, drv.target("weights")) as target:
         out = wg.cli("stage", model, target, "--name", "m", "-q", "-o", "table").stdout
         fact: dict[str, Any] = {"persist": wg.persisted_with(out)}
@@ -448,7 +388,7 @@ def test_leave_volumes_for_the_reboot(drv: CxlDriver) -> None:
                             .strip(), "regions": FACTS.get("regions_created")}
     for media in ("persistent", "volatile"):
         vol = tg.create(drv, tg.unique(f"reboot{media[0]}"), 64 * MiB, {"media": media})
-        rec = td.record(drv, vol.volume_id)
+        rec = dg.record(drv, vol.volume_id)
         target = drv.target(f"reboot-{media}")
         tg.publish(drv, vol.volume_id, target)
         if media == "persistent":
@@ -499,9 +439,9 @@ def test_pmem_volume_comes_back_with_its_data(drv: CxlDriver) -> None:
     reboot took the mount), its marker reads back and its model verifies and loads."""
     p = _plan()["persistent"]
     vid, target = p["volume_id"], p["target"]
-    abnormal, message = td.volume_condition(drv, vid)
+    abnormal, message = dg.volume_condition(drv, vid)
     assert not abnormal, message
-    assert td.record(drv, vid)["pool"] == p["pool"]
+    assert dg.record(drv, vid)["pool"] == p["pool"]
     try:
         tg.publish(drv, vid, target)
         seen = read_at(target, p["marker_offset"], 4096)
@@ -524,9 +464,9 @@ def test_volatile_volume_comes_back_zeroed_under_its_id(drv: CxlDriver) -> None:
     lost = [line for line in log.splitlines() if "contents lost at a node restart" in line]
     FACTS["reboot_log"] = lost
     assert len(lost) == 1 and vid in lost[0] and "zeroed" in lost[0], drv.log_tail()
-    rec = td.record(drv, vid)
+    rec = dg.record(drv, vid)
     assert rec["contents_lost_at"] > 0 and rec["pool"] == v["pool"], rec
-    abnormal, message = td.volume_condition(drv, vid)
+    abnormal, message = dg.volume_condition(drv, vid)
     FACTS["reboot_condition"] = {"abnormal": abnormal, "message": message}
     assert not abnormal and "contents were lost at a node restart" in message, message
     assert tg.metric_value(tg.metrics_text(), "csi_pmem_volumes_recreated_total",

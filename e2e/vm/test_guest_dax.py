@@ -29,17 +29,11 @@ in its log, metric and the volume's condition, and the staging sidecar stages ag
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
 import re
 import secrets
-import shutil
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +53,23 @@ from csi_pmem.driver.backends.daxctl_listing import (  # noqa: E402
 from csi_pmem.loader import load_numpy  # noqa: E402
 from csi_pmem.sizes import MiB  # noqa: E402
 from csi_pmem.weights.errors import LoaderError  # noqa: E402
+from e2e.vm import dax_guest as dg  # noqa: E402
 from e2e.vm import test_guest as tg  # noqa: E402
 from e2e.vm import weights_guest as wg  # noqa: E402
-from tests.test_csi_sanity import FLAVOURS, SANITY_DIR, parse_junit, sanity_argv, summarise  # noqa: E402
+from e2e.vm.dax_guest import (  # noqa: E402
+    DaxDriver,
+    daxctl_list,
+    driver_session_fixture,  # noqa: F401 (a fixture: dax_guest.py)
+    drv_fixture,  # noqa: F401 (a fixture)
+    leak_check,  # noqa: F401 (an autouse fixture)
+    record,
+    results,  # noqa: F401 (an autouse fixture)
+    save_listing,
+    volume,
+    volume_condition,
+    write_read,
+)
+from tests.test_csi_sanity import FLAVOURS  # noqa: E402
 
 pytestmark = pytest.mark.vmconfig("hmem")
 
@@ -74,20 +82,9 @@ VOLATILE = {"media": "volatile"}
 PERSISTENT = {"media": "persistent"}
 HMEM_SIZE = 512 * MiB  # run.sh's memmap
 WORK = Path("/tmp/e2e-dax")
-_SESSION: dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------------- daxctl
-
-def daxctl_list() -> Any:
-    out = tg.run(["daxctl", "list", "--regions", "--devices", "--mappings", "--idle"]).stdout
-    return json.loads(out) if out.strip() else []
-
-
-def save_listing(name: str) -> None:
-    """Keep what the real daxctl printed (tests/unit/fake_daxctl.py models it)."""
-    (OUT / f"daxctl-list-{name}.json").write_text(json.dumps(daxctl_list(), indent=1) + "\n")
-
 
 def hmem_region() -> DaxRegion:
     found = [r for r in parse_regions(daxctl_list()) if "hmem" in r.path]
@@ -126,39 +123,6 @@ def own_devices() -> list[str]:
     return [d.chardev for d in hmem_region().sized() if d.instance != 0]
 
 
-# --------------------------------------------------------------------------- driver
-
-class DaxDriver(tg.Driver):
-    """``csi_pmem serve --backend ndctl,daxctl`` with its state dir in the results share
-    (the node's disk: it outlives the boot)."""
-
-    def __init__(self, base: Path) -> None:
-        super().__init__(base)
-        self.state = OUT / "state"
-        self.setup = "reconfigure"
-
-    def argv(self) -> list[str]:
-        return [sys.executable, "-m", "csi_pmem", "serve",
-                "--endpoint", f"unix://{self.sock}", "--node-id", tg.NODE_ID,
-                "--state-dir", str(self.state), "--backend", "ndctl,daxctl",
-                "--dax-setup", self.setup,
-                "--kubelet-dir", str(self.kubelet), "--metrics-address", tg.METRICS,
-                "--log-level", "debug", *self.extra]
-
-
-def record(drv: DaxDriver, vid: str) -> dict:
-    return json.loads((drv.state / "volumes" / f"{vid}.json").read_text())
-
-
-def volume_condition(drv: DaxDriver, vid: str) -> tuple[bool, str]:
-    resp = drv.controller.ListVolumes(csi_pb2.ListVolumesRequest(), timeout=tg.CALL_TIMEOUT)
-    for e in resp.entries:
-        if e.volume.volume_id == vid:
-            c = e.status.volume_condition
-            return c.abnormal, c.message
-    raise AssertionError(f"ListVolumes does not list {vid}")
-
-
 # ------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="session")
@@ -178,97 +142,23 @@ def boot_state() -> dict[str, Any]:
     return state
 
 
-@pytest.fixture(scope="session")
-def driver_session(boot_state: dict[str, Any]) -> Iterator[DaxDriver]:
-    if BASE.exists():
-        shutil.rmtree(BASE)
-    BASE.mkdir(parents=True)
-    d = DaxDriver(BASE)
-    # hmem: the first start sees the region as the firmware left it (setup off).
-    d.setup = "off" if CONFIG == "hmem" else "reconfigure"
-    _SESSION["driver"] = d
-    FACTS["driver_start_seconds"] = round(d.start(), 2)
-    FACTS["first_start_scrub_seconds"] = round(tg.wait_erase_idle(), 2)
-    yield d
-    d.stop()
-
-
-@pytest.fixture
-def drv(driver_session: DaxDriver) -> DaxDriver:
-    """The session's driver, running with --dax-setup=reconfigure and no fail points."""
-    d = driver_session
-    if d.running and (d.failpoints or d.extra or d.setup != "reconfigure"):
-        d.stop()
-    d.extra, d.setup = [], "reconfigure"
-    if not d.running:
-        FACTS.setdefault("driver_restart_seconds", []).append(round(d.start(), 2))
-    return d
-
-
-@pytest.fixture(scope="session", autouse=True)
-def results() -> Iterator[None]:
-    yield
-    tg._write_results()
-
-
-@pytest.fixture(autouse=True)
-def leak_check(request: pytest.FixtureRequest, boot_state: dict[str, Any]) -> Iterator[None]:
-    """After every test: no dax device, namespace, record or mount left behind."""
-    yield
-    if request.node.get_closest_marker("no_leak_check"):
-        return
-    d = _SESSION.get("driver")
-    if d is not None and d.running and not d.failpoints:
-        tg.wait_erase_idle()
+def leaks() -> list[str]:
+    """This suite's part of the leak check: dax devices in the hmem region, and the
+    daxctl back end's device records."""
     problems = []
     if own_devices():
         problems.append(f"dax devices left in the hmem region: {own_devices()}")
-    left = [ns.get("dev") for ns in tg.all_namespaces()
-            if ns.get("dev") not in boot_state["namespaces"]]
-    if left:
-        problems.append(f"namespaces left: {left}")
-    records = sorted(p.name for p in (OUT / "state" / "volumes").glob("*.json"))
-    if records:
-        problems.append(f"state records left: {records}")
     devices = OUT / "state" / "daxctl-devices.json"
     if devices.exists() and json.loads(devices.read_text()).get("devices"):
         problems.append(f"daxctl device records left: {devices.read_text()}")
-    with open("/proc/self/mountinfo") as f:
-        mounts = [line.split()[4] for line in f if f" {BASE}/kubelet/" in line]
-    if mounts:
-        problems.append(f"mounts left under the kubelet dir: {mounts}")
-    if problems:
-        pytest.fail("leak check: " + "\n".join(problems), pytrace=False)
+    return problems
 
 
-@contextlib.contextmanager
-def volume(drv: DaxDriver, name: str, size: int, params: dict[str, str],
-           op: str = "CreateVolume") -> Iterator[csi_pb2.Volume]:
-    vol = tg.create(drv, name, size, params, op=op)
-    try:
-        yield vol
-    finally:
-        tg.delete(drv, vol.volume_id)
-
-
-def write_read(target: str, pattern: bytes) -> list[int]:
-    """Write ``pattern`` at the start, middle and end of the volume through dax.sock and
-    read it back through a second mapping; returns the offsets."""
-    md, m = map_volume(target)
-    try:
-        usable = md["usable_size"]
-        offsets = [0, usable // 2, usable - len(pattern)]
-        for off in offsets:
-            m[off:off + len(pattern)] = pattern
-    finally:
-        m.close()
-    _, again = map_volume(target, writable=False)
-    try:
-        for off in offsets:
-            assert again[off:off + len(pattern)] == pattern, f"offset {off} reads otherwise"
-    finally:
-        again.close()
-    return offsets
+@pytest.fixture(scope="session")
+def dax_suite() -> dg.Suite:
+    """hmem: the first start sees the region as the firmware left it (setup off); the
+    shared fixtures (dax_guest.py) run the driver and the leak check."""
+    return dg.Suite(DaxDriver, first_boot="hmem", leaks=leaks, scrub_at_start=True)
 
 
 def all_zero(target: str) -> bool:
@@ -343,29 +233,8 @@ def test_setup_gives_the_region_back(drv: DaxDriver) -> None:
 @pytest.mark.timeout(900)
 def test_csi_sanity_devdax_volatile(drv: DaxDriver) -> None:
     binary = tg._sanity_binary()
-    flavour = FLAVOURS[SANITY_FLAVOUR]
-    report = drv.base / "junit.xml"
-    report.unlink(missing_ok=True)
-    argv = sanity_argv(binary, f"unix://{drv.sock}", drv.base, SANITY_DIR / SANITY_FLAVOUR,
-                       flavour)
-    name = SANITY_FLAVOUR.removesuffix(".yaml")
-    t = time.monotonic()
-    with open(OUT / f"csi-sanity-{name}.out", "wb") as out:
-        out.write(("$ " + " ".join(argv) + "\n").encode())
-        out.flush()
-        proc = subprocess.run(argv, cwd=drv.base, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=840, check=False)
-    seconds = time.monotonic() - t
-    assert report.exists(), f"csi-sanity wrote no JUnit report (exit {proc.returncode})"
-    shutil.copy(report, OUT / f"csi-sanity-{name}.xml")
-    res = parse_junit(report)
-    text = summarise(SANITY_FLAVOUR, res)
-    (OUT / f"csi-sanity-{name}.txt").write_text(text + "\n")
-    print(text)
-    FACTS.setdefault("csi_sanity", {})[SANITY_FLAVOUR] = {
-        "passed": len(res.passed), "skipped": len(res.skipped), "pending": len(res.pending),
-        "failed": len(res.failed), "seconds": round(seconds, 1), "exit": proc.returncode,
-        "volume_size": flavour.volume_size, "access_type": flavour.access_type}
+    res, text = tg.run_sanity(drv, binary, SANITY_FLAVOUR, FLAVOURS[SANITY_FLAVOUR],
+                              timeout=840)
     assert not res.failed, text
     assert res.passed, text
 
