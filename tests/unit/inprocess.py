@@ -21,6 +21,8 @@ import grpc
 import pytest
 
 from csi_pmem.csi import csi_pb2
+from csi_pmem.daxclient import map_volume
+from csi_pmem.driver.backends.base import Backend
 from csi_pmem.driver.backends.emulated import EmulatedBackend
 from csi_pmem.driver.config import DriverConfig
 from csi_pmem.driver.core import Driver
@@ -35,6 +37,7 @@ from fake_mounter import FakeMounter
 
 DRIVER_NAME = "pmem-csi.example.com"
 NODE_ID = "unit-node"
+PATTERN = bytes(range(256)) * 4096  # 1 MiB: what write_pattern writes at a volume's start
 
 
 class Aborted(grpc.RpcError):
@@ -91,8 +94,10 @@ class InProcessNode:
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> InProcessNode:
-        self.backend = EmulatedBackend(self.base / "pools", self.regions, loops=self.fake,
-                                       media=self.media, free_space=self.free_space)
+        """A driver process: the back end, dax.sock, the Driver over the state and the
+        fake mounter, reconciled, and the servicers (a subclass changes the back end
+        only, in :meth:`make_backend`)."""
+        self.backend = self.make_backend()
         self.dax = DaxSocketServer(proc_root=str(self.proc))
         self.driver = Driver(DriverConfig(driver_name=DRIVER_NAME, node_id=NODE_ID,
                                           kubelet_dir=str(self.kubelet),
@@ -104,6 +109,11 @@ class InProcessNode:
         self.node = _Stub(NodeServicer(self.driver))
         self.identity = _Stub(IdentityServicer(DRIVER_NAME, self.backend.probe))
         return self
+
+    def make_backend(self) -> Backend:
+        """The emulated back end over ``pools/`` (called at each start)."""
+        return EmulatedBackend(self.base / "pools", self.regions, loops=self.fake,
+                               media=self.media, free_space=self.free_space)
 
     def stop(self) -> None:
         if self.driver is not None:
@@ -190,6 +200,34 @@ def code_of(call, *args, **kw) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as info:
         call(*args, **kw)
     return info.value.code()
+
+
+def made_nodes(cls: type[InProcessNode] = InProcessNode):
+    """The body of a ``nodes`` fixture: ``make(**kw)`` builds a node of ``cls``; every
+    node made is closed afterwards (``yield from made_nodes(...)``)."""
+    made: list[InProcessNode] = []
+
+    def make(**kw) -> InProcessNode:
+        made.append(cls(**kw))
+        return made[-1]
+
+    yield make
+    for n in made:
+        n.close()
+
+
+def write_pattern(target: str) -> None:
+    """PATTERN at the start of the volume published at ``target``, through dax.sock."""
+    _, m = map_volume(target, writable=True)
+    with m:
+        m[:len(PATTERN)] = PATTERN
+
+
+def read_head(target: str) -> bytes:
+    """The first len(PATTERN) bytes of the volume published at ``target``."""
+    _, m = map_volume(target, writable=False)
+    with m:
+        return m[:len(PATTERN)]
 
 
 @pytest.fixture(name="node")

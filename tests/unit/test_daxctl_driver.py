@@ -14,20 +14,12 @@ from fake_daxctl import FakeDaxKernel
 from csi_pmem.csi import csi_pb2
 from csi_pmem.daxclient import map_volume
 from csi_pmem.driver.backends.daxctl import DaxctlBackend
-from csi_pmem.driver.config import DriverConfig
-from csi_pmem.driver.core import Driver
-from csi_pmem.driver.daxsock import DaxSocketServer
 from csi_pmem.driver.metrics import PoolCollector
-from csi_pmem.driver.servicers.controller import ControllerServicer
-from csi_pmem.driver.servicers.identity import IdentityServicer
-from csi_pmem.driver.servicers.node import NodeServicer
-from csi_pmem.driver.state import StateStore
 
 from conftest import MiB, block_cap, mount_cap
-from inprocess import DRIVER_NAME, NODE_ID, InProcessNode, _Stub, code_of
+from inprocess import PATTERN, InProcessNode, code_of, made_nodes, read_head, write_pattern
 
 POD = "0b5e7c5e-3333-4a4a-9c9c-000000000003"
-PATTERN = bytes(range(256)) * 4096  # 1 MiB
 
 
 class DaxNode(InProcessNode):
@@ -37,7 +29,9 @@ class DaxNode(InProcessNode):
         self.boot_device, self.setup = boot_device, setup
         super().__init__(**kw)
 
-    def start(self) -> DaxNode:
+    def make_backend(self) -> DaxctlBackend:
+        """The daxctl back end over the fake kernel, made at the first start; a restart
+        keeps the kernel (its regions and devices), as a node does."""
         if not hasattr(self, "kernel"):
             self.kernel = FakeDaxKernel(self.base / "dev", self.proc)
             for rid in (0, 1):
@@ -47,21 +41,10 @@ class DaxNode(InProcessNode):
                 path = self.base / f"sys/devices/system/node/node{node}/cpulist"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(cpus + "\n")
-        self.backend = DaxctlBackend(runner=self.kernel, sysfs_root=self.base / "sys",
-                                     proc_root=self.proc, dev_root=self.base / "dev",
-                                     state_path=self.state / "daxctl-devices.json",
-                                     setup=self.setup, cache_seconds=0)
-        self.dax = DaxSocketServer(proc_root=str(self.proc))
-        self.driver = Driver(DriverConfig(driver_name=DRIVER_NAME, node_id=NODE_ID,
-                                          kubelet_dir=str(self.kubelet),
-                                          device_node=self.device_node),
-                             self.backend, StateStore(str(self.state)), self.dax,
-                             mounter=self.fake, on_recreate=self.recreated.append)
-        self.driver.reconcile()
-        self.controller = _Stub(ControllerServicer(self.driver))
-        self.node = _Stub(NodeServicer(self.driver))
-        self.identity = _Stub(IdentityServicer(DRIVER_NAME, self.backend.probe))
-        return self
+        return DaxctlBackend(runner=self.kernel, sysfs_root=self.base / "sys",
+                             proc_root=self.proc, dev_root=self.base / "dev",
+                             state_path=self.state / "daxctl-devices.json",
+                             setup=self.setup, cache_seconds=0)
 
     def reboot(self) -> DaxNode:
         self.stop()
@@ -77,27 +60,7 @@ class DaxNode(InProcessNode):
 
 @pytest.fixture
 def nodes():
-    made: list[DaxNode] = []
-
-    def make(**kw) -> DaxNode:
-        made.append(DaxNode(**kw))
-        return made[-1]
-
-    yield make
-    for n in made:
-        n.close()
-
-
-def write_pattern(target: str) -> None:
-    _, m = map_volume(target, writable=True)
-    with m:
-        m[:len(PATTERN)] = PATTERN
-
-
-def read_head(target: str) -> bytes:
-    _, m = map_volume(target, writable=False)
-    with m:
-        return m[:len(PATTERN)]
+    yield from made_nodes(DaxNode)
 
 
 def capacity(node: DaxNode, **params: str) -> int:

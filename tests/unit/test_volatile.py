@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from csi_pmem.csi import csi_pb2
-from csi_pmem.daxclient import map_volume, open_volume
+from csi_pmem.daxclient import open_volume
 from csi_pmem.driver.backends.base import PERSISTENT, VOLATILE
 from csi_pmem.driver.backends.emulated import media_of
 from csi_pmem.driver.state import StateStore, VolumeRecord
@@ -29,23 +29,14 @@ from csi_pmem.sizes import format_bytes
 
 import loader_models as lm
 from conftest import MiB, block_cap
-from inprocess import InProcessNode, code_of
+from inprocess import PATTERN, InProcessNode, code_of, made_nodes, read_head, write_pattern
 
 POD = "0b5e7c5e-2222-4a4a-9c9c-000000000002"
-PATTERN = bytes(range(256)) * 4096  # 1 MiB
 
 
 @pytest.fixture
 def nodes():
-    made: list[InProcessNode] = []
-
-    def make(**kw) -> InProcessNode:
-        made.append(InProcessNode(**kw))
-        return made[-1]
-
-    yield make
-    for n in made:
-        n.close()
+    yield from made_nodes()
 
 
 def backing(node: InProcessNode, vid: str) -> Path:
@@ -65,18 +56,6 @@ def reset_pools(node: InProcessNode) -> None:
 def condition(node: InProcessNode, vid: str) -> csi_pb2.VolumeCondition:
     entries = node.controller.ListVolumes(csi_pb2.ListVolumesRequest()).entries
     return next(e.status.volume_condition for e in entries if e.volume.volume_id == vid)
-
-
-def write_pattern(target: str) -> None:
-    _, m = map_volume(target, writable=True)
-    with m:
-        m[:len(PATTERN)] = PATTERN
-
-
-def read_head(target: str) -> bytes:
-    _, m = map_volume(target, writable=False)
-    with m:
-        return m[:len(PATTERN)]
 
 
 def test_a_volatile_volume_comes_back_empty_and_served_under_its_id(nodes, caplog):
