@@ -806,7 +806,7 @@ def test_fsdax_block_claim_unprivileged_pod_writes_and_reads_device(release: Clu
 
     The device node in the container belongs to root unless the runtime gives it the
     pod's user: containerd's device_ownership_from_security_context (up.sh sets it; see
-    the README). With it off (E2E_DEVICE_OWNERSHIP=false) this test checks the failure
+    docs/install.md). With it off (E2E_DEVICE_OWNERSHIP=false) this test checks the failure
     users would see instead: open() fails with EACCES."""
     k = release
     # Earlier tests' deletions refresh the capacity objects one by one (the provisioner

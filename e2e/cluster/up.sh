@@ -286,7 +286,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   restrict_oom_score_adj = true
   # Device nodes of Block volumes (volumeDevices) belong to the pod's runAsUser and
   # runAsGroup instead of root: without it an unprivileged pod cannot open them
-  # (EACCES). A setting users need too (README.md, "fsdax claims").
+  # (EACCES). A setting users need too (docs/install.md, "fsdax claims").
   device_ownership_from_security_context = ${DEVICE_OWNERSHIP}
   netns_mounts_under_state_dir = true
   stream_server_address = "127.0.0.1"
