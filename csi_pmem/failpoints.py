@@ -69,8 +69,6 @@ SCRUB_AFTER_ERASE = "scrub-after-erase"    # scratch erased, not destroyed
 STATE_WRITE = "state-write"
 # ndctl's two-step destroy (csi_pmem.driver.backends.ndctl): disabled, not yet destroyed.
 DESTROY_MID = "destroy-mid"
-ERASE = (ERASE_MID, DELETE_AFTER_DIRTY, SCRUB_AFTER_RECORD, SCRUB_AFTER_CREATE,
-         SCRUB_AFTER_ERASE)
 ALL = (CREATE_AFTER_RECORD, CREATE_AFTER_NAMESPACE, DELETE_AFTER_RECORD, DELETE_AFTER_ERASE,
        DELETE_AFTER_DESTROY, PUBLISH_AFTER_RECORD, PUBLISH_AFTER_MOUNT, PUBLISH_AFTER_SOCKET,
        UNPUBLISH_AFTER_UMOUNT)

@@ -18,6 +18,7 @@ side reaches them through it (a fake in unit tests).
 
 from __future__ import annotations
 
+import logging
 import os
 
 from csi_pmem.driver.host.runner import Runner
@@ -25,6 +26,8 @@ from csi_pmem.errors import FailedPrecondition, from_os_error
 from csi_pmem.mountinfo import MountInfo, find, mountinfo
 
 __all__ = ["MountInfo", "find", "mountinfo"]  # re-exported: tests and tools read them here
+
+log = logging.getLogger(__name__)
 
 SOURCE_PREFIX = "csi-pmem:"
 TMPFS_SIZE = "1m"
@@ -121,6 +124,21 @@ def make_file_target(target: str, volume_id: str) -> None:
     except OSError as exc:
         raise from_os_error(exc, f"cannot create target file {target} for volume "
                             f"{volume_id}", needs=TARGET_NEEDS) from exc
+
+
+def remove_target(target: str) -> None:
+    """Remove a target the driver made (a directory for a mount, a file for a bound
+    device) once nothing is mounted there. Gone already is fine; one that cannot be
+    removed (not empty, say) is left in place with a warning: the unpublish stands."""
+    try:
+        if os.path.isdir(target) and not os.path.islink(target):
+            os.rmdir(target)
+        else:
+            os.unlink(target)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("left target %s in place: %s", target, exc.strerror)
 
 
 def is_dir_empty(path: str) -> bool:

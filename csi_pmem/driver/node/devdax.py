@@ -244,9 +244,10 @@ class DevdaxNode:
         if sealed:
             self._seal(pub.target)
         if self.gpu_copy is not None:
-            self._prepare_gpu_copy(rec, ns, meta)
+            self._prepare_gpu_copy(self.gpu_copy, rec, ns, meta)
 
-    def _prepare_gpu_copy(self, rec: VolumeRecord, ns: Namespace, meta: dict) -> None:
+    def _prepare_gpu_copy(self, link: ServiceLink, rec: VolumeRecord, ns: Namespace,
+                          meta: dict) -> None:
         """Have the copy service map and register the volume now, at publish, so that
         the pod's first load only copies (best effort: it logs when it cannot)."""
         try:
@@ -256,8 +257,7 @@ class DevdaxNode:
                         rec.id, exc)
             return
         try:
-            assert self.gpu_copy is not None
-            self.gpu_copy.prepare(meta, fd)
+            link.prepare(meta, fd)
         finally:
             os.close(fd)
 
@@ -301,12 +301,7 @@ class DevdaxNode:
     def _finish_unpublish(self, rec: VolumeRecord, target: str) -> None:
         self._stop_and_umount(rec.id, target)
         failpoints.hit(failpoints.UNPUBLISH_AFTER_UMOUNT)
-        try:
-            os.rmdir(target)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("left target %s in place: %s", target, exc.strerror)
+        mounts.remove_target(target)
         rec.publications.pop(target, None)
         self.store.put(rec)
         if self.gpu_copy is not None and not rec.publications:

@@ -312,7 +312,7 @@ class FsdaxNode:
             self.mounter.bind(source, target, readonly)
         except BaseException:
             if created:
-                _remove(target)
+                mounts.remove_target(target)
             self._detach_view(rec, pub, ns.device)
             rec.publications.pop(target, None)
             self.store.put(rec)
@@ -379,7 +379,7 @@ class FsdaxNode:
             if ns is not None:
                 self._detach_view(rec, pub, ns.device)
         if self.mounter.find(target) is None:
-            _remove(target)
+            mounts.remove_target(target)
         rec.publications.pop(target, None)
         self.store.put(rec)
         log.info("unpublished %s from %s", rec.id, target)
@@ -446,16 +446,3 @@ class FsdaxNode:
             elif pub.state == PUBLISHING:
                 pub.state = PUBLISHED
                 self.store.put(rec)
-
-
-def _remove(path: str) -> None:
-    """Remove a target the driver created (a file for block, a directory for mounts)."""
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            os.rmdir(path)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("left target %s in place: %s", path, exc.strerror)
