@@ -3,11 +3,22 @@
 Why ``model.load_weights``: every vLLM model class maps checkpoint names onto its own
 parameters (fused qkv and gate_up, renamed layers, tied embeddings) and each parameter's
 weight loader slices the whole checkpoint tensor for its tensor-parallel rank. So this
-loader only hands it ``(name, tensor)`` pairs, file by file in volume order, from
-:func:`~csi_pmem.loader.start_load` on the CPU: views of the read-only mapping, no copy
-and no read(); vLLM's weight loaders then copy each rank's slice into its parameters
-(on a GPU, straight from the mapping). The staged checksums are checked beside the copy
-(``handle.verified``) and a mismatch fails the start before anything is served.
+loader only hands it ``(name, tensor)`` pairs, in volume order. Which tensors:
+
+- A rank alone on its GPU (tensor-parallel size 1, parameters on a CUDA device): CUDA
+  tensors from :class:`~csi_pmem.loader.batches.BatchedLoad`, batch by batch, each
+  batch through the path ``load_safetensors`` takes (the node's GPU copy service where
+  the volume has ``gpu.sock``, else the in-pod pinned bounce), so vLLM's copies into
+  its parameters are device-to-device and the load holds at most ``gpu_budget`` bytes
+  of device memory beyond them. On an H100 this moved the model at the host link's
+  speed, where CPU views reached 0.17 of it (docs/inference.md has the run).
+- Otherwise (the CPU, or several tensor-parallel ranks): views of the read-only
+  mapping on the CPU, from :func:`~csi_pmem.loader.start_load`; each rank's weight
+  loaders copy only their slice into their parameters. A CUDA stream of whole tensors
+  would make every rank read the whole model over its host link.
+
+The staged checksums are checked beside the copy and a mismatch fails the start before
+anything is served. The log line says which path the load took.
 
 Then, like vLLM's default loader (its ``track_weights_loading``) but for every
 parameter of an unquantized model: a parameter the volume's checkpoint did not fill is
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,9 +44,11 @@ import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from csi_pmem.integrations.vllm_settings import LOAD_FORMAT, Settings, settings
-from csi_pmem.loader.api import LoadHandle, start_load
+from csi_pmem.loader.api import CPU_VIEW, LoadHandle, start_load
 from csi_pmem.loader.auxfiles import read_aux
+from csi_pmem.loader.batches import BatchedLoad
 from csi_pmem.loader.model import ModelView, open_model
+from csi_pmem.sizes import human_size
 from csi_pmem.weights.errors import LoaderError
 
 log = logging.getLogger(__name__)
@@ -63,21 +77,64 @@ class CsiPmemModelLoader(BaseModelLoader):
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         s, view = self._open(model_config)
-        handle = None
+        started = time.monotonic()
+        device = _device(model)
+        checks: Any = None
         try:
             _check_config(view, getattr(model_config, "hf_config_path", None)
                           or model_config.model)
-            handle = start_load(view, "cpu", verify=s.verify)
-            loaded = model.load_weights(_pairs(handle))
-            handle.verified.result()  # ChecksumError: the volume copy is damaged
+            if device is not None:
+                batched = BatchedLoad(view, str(device), budget=s.gpu_budget,
+                                      verify=s.verify)
+                checks = batched
+                loaded = model.load_weights(iter(batched))
+                batched.verified()  # ChecksumError: the volume copy is damaged
+                count, nbytes, path = (sum(len(b) for b in batched.batches),
+                                       batched.nbytes, batched.path)
+                where = f"{device} (batches of up to {human_size(batched.budget // 2)})"
+            else:
+                handle = start_load(view, "cpu", verify=s.verify)
+                checks = handle
+                loaded = model.load_weights(_pairs(handle))
+                handle.verified.result()  # ChecksumError: the volume copy is damaged
+                count, nbytes, path = len(handle.tensors), handle.nbytes, CPU_VIEW
+                where = "the CPU (views of the mapping; vLLM copies each rank's slice)"
         finally:
-            if handle is not None:
-                handle.verified.exception()  # never unmap under the checksum threads
+            _settle(checks)  # never unmap under the checksum threads
             view.volume.close()  # views still held keep the mapping until freed
-        log.info("loaded %d tensors (%.2f GB) of model %s from %s%s", len(handle.tensors),
-                 handle.nbytes / 1e9, view.model.label(), s.volume,
+        seconds = time.monotonic() - started
+        log.info("loaded %d tensors (%.2f GB) of model %s from %s to %s in %.2f s "
+                 "(%.1f GB/s, %s path%s)", count, nbytes / 1e9, view.model.label(),
+                 s.volume, where, seconds, nbytes / 1e9 / max(seconds, 1e-9), path,
                  ", verified" if s.verify else "")
         _check_loaded(model, loaded, model_config, view)
+
+
+def _device(model: torch.nn.Module) -> torch.device | None:
+    """The CUDA device to stream to, or None for CPU views: the parameters' device when
+    it is a GPU and this rank is alone (tensor-parallel size 1)."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return None
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    try:
+        tp = get_tensor_model_parallel_world_size()
+    except AssertionError:  # no parallel state: a model built outside an engine
+        tp = 1
+    if tp > 1:
+        log.info("tensor-parallel size %d: each rank copies its slices from CPU views",
+                 tp)
+        return None
+    index = param.device.index
+    return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+
+def _settle(checks: Any) -> None:
+    if isinstance(checks, BatchedLoad):
+        checks.settle()
+    elif checks is not None:
+        checks.verified.exception()
 
 
 def _pairs(handle: LoadHandle) -> Iterator[tuple[str, torch.Tensor]]:

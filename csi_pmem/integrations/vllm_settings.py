@@ -15,6 +15,9 @@ the default (docs/inference.md):
 - ``model`` / ``CSI_PMEM_MODEL``: the model's name on the volume; default the only one.
 - ``verify`` / ``CSI_PMEM_VERIFY`` (``true``/``false``): check every chunk against its
   staged checksum beside the load (default true; a mismatch fails the start).
+- ``gpu_budget`` / ``CSI_PMEM_GPU_BUDGET``: a quantity (``1Gi``, ``512Mi``): the device
+  memory a load to the GPU may hold beyond vLLM's parameters (default ``1Gi``; see
+  :mod:`csi_pmem.loader.batches`).
 """
 
 from __future__ import annotations
@@ -23,13 +26,17 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from csi_pmem.errors import InvalidArgument
+from csi_pmem.sizes import parse_quantity
 from csi_pmem.weights.errors import LoaderError
 
 LOAD_FORMAT = "csi-pmem"
 ENV_VOLUME = "CSI_PMEM_VOLUME"
 ENV_MODEL = "CSI_PMEM_MODEL"
 ENV_VERIFY = "CSI_PMEM_VERIFY"
-KEYS = ("volume", "model", "verify")
+ENV_GPU_BUDGET = "CSI_PMEM_GPU_BUDGET"
+KEYS = ("volume", "model", "verify", "gpu_budget")
+DEFAULT_GPU_BUDGET = "1Gi"
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class Settings:
     volume: str
     model: str | None
     verify: bool
+    gpu_budget: int = 1 << 30
 
 
 def _flag(value: Any, where: str) -> bool:
@@ -68,4 +76,19 @@ def settings(extra: dict[str, Any] | None, model_path: str,
     where = ("--model-loader-extra-config 'verify'" if "verify" in extra else ENV_VERIFY)
     return Settings(volume=extra.get("volume") or env.get(ENV_VOLUME) or model_path,
                     model=extra.get("model") or env.get(ENV_MODEL) or None,
-                    verify=_flag(verify, where))
+                    verify=_flag(verify, where), gpu_budget=_budget(extra, env))
+
+
+def _budget(extra: dict[str, Any], env: dict[str, str] | os._Environ[str]) -> int:
+    where = ("--model-loader-extra-config 'gpu_budget'" if "gpu_budget" in extra
+             else ENV_GPU_BUDGET)
+    value = extra.get("gpu_budget", env.get(ENV_GPU_BUDGET, DEFAULT_GPU_BUDGET))
+    try:
+        budget = value if isinstance(value, int) and not isinstance(value, bool) \
+            else parse_quantity(str(value))
+    except InvalidArgument as exc:
+        raise LoaderError(f"{where}: {exc}") from None
+    if budget < 64 << 20:
+        raise LoaderError(f"{where} is {value!r}; give at least 64Mi (the default is "
+                          f"{DEFAULT_GPU_BUDGET})")
+    return budget

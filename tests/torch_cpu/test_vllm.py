@@ -12,8 +12,11 @@ oneDNN's layout and leaves the parameter itself empty.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
+import tempfile
+from pathlib import Path
 from importlib.metadata import entry_points
 
 import pytest
@@ -26,8 +29,17 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.model_loader import get_model_loader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
+from csi_pmem.integrations import vllm_loader
 from csi_pmem.integrations.vllm import LOAD_FORMAT
-from csi_pmem.loader import ChecksumError, LoaderError, export_config, open_model, open_volume
+from csi_pmem.loader import (
+    ChecksumError,
+    LoaderError,
+    export_config,
+    open_model,
+    open_volume,
+    start_load,
+)
+from csi_pmem.loader import batches as batches_mod
 
 
 def engine_config(model: str, load_format: str, **kw):
@@ -73,6 +85,39 @@ def tree(tmp_path_factory):
     return {"base": base, "src": src, "vol": vol, "cfg": cfg, "default": default}
 
 
+class SmallBatches(batches_mod.BatchedLoad):
+    """The GPU path's batches with a budget small enough to cut the tiny model into many
+    (the budget setting's floor is 64Mi)."""
+
+    def __init__(self, view, device, *, budget, verify):
+        super().__init__(view, device, budget=16 * 1024, verify=verify)
+
+
+@pytest.fixture(params=["cpu-views", "batches"])
+def path(request, monkeypatch):
+    """Each test below through both of the format's paths. ``batches`` is the path a
+    rank alone on a GPU takes (BatchedLoad, the tensors on the device); here its device
+    copy is the CPU start_load of each batch, so vLLM's own load_weights, the batching,
+    the checksum joins and the completeness check run as they do there."""
+    if request.param == "batches":
+        monkeypatch.setattr(vllm_loader, "_device", lambda model: torch.device("cuda", 0))
+        monkeypatch.setattr(vllm_loader, "BatchedLoad", SmallBatches)
+
+        starts = []
+
+        def cpu_start(view, device, *, names, verify, loader):
+            assert device == "cuda:0"
+            starts.append(names)
+            return start_load(view, "cpu", names=names, verify=verify)
+
+        monkeypatch.setattr(batches_mod, "start_load", cpu_start)
+        yield request.param
+        assert len(starts) > 3  # the model came in many batches
+        return
+
+    yield request.param
+
+
 def mismatches(a: dict, b: dict) -> list[str]:
     assert a.keys() == b.keys()
     return [n for n in a if not torch.equal(a[n], b[n])]
@@ -81,14 +126,15 @@ def mismatches(a: dict, b: dict) -> list[str]:
 def restage(tree, name: str, change) -> tuple:
     """A copy of the source with ``change(weights)`` applied, staged into a new
     directory volume, and its exported config."""
-    src = tree["base"] / f"src-{name}"
+    base = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tree["base"]))
+    src = base / "src"
     shutil.copytree(tree["src"], src)
     weights = load_file(str(src / "model.safetensors"))
     change(weights)
     save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
-    vol = tiny.stage_dir(src, tree["base"] / f"published-{name}")
-    export_config(vol, str(tree["base"] / f"config-{name}"))
-    return vol, tree["base"] / f"config-{name}"
+    vol = tiny.stage_dir(src, base / "published")
+    export_config(vol, str(base / "config"))
+    return vol, base / "config"
 
 
 def test_the_entry_point_registers_the_format(tree):
@@ -100,8 +146,13 @@ def test_the_entry_point_registers_the_format(tree):
     assert type(get_model_loader(vc.load_config)).__name__ == "CsiPmemModelLoader"
 
 
-def test_every_parameter_equals_vllms_own_loader(tree):
+def test_every_parameter_equals_vllms_own_loader(tree, path, caplog):
+    caplog.set_level(logging.INFO, logger="csi_pmem")
     _, got = ours(tree["vol"], tree["cfg"])
+    # The log line names the path the load took.
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
+    assert ("batches of up to 8.0 KiB" in line) == (path == "batches"), line
+    assert ("to the CPU (views of the mapping" in line) == (path == "cpu-views"), line
     want = tree["default"]
     assert len(want) > 10 and "model.layers.0.self_attn.qkv_proj.weight" in want
     assert mismatches(want, got) == []
@@ -124,7 +175,7 @@ def test_extra_config_names_volume_and_model(tree, monkeypatch):
         load(engine_config(str(tree["cfg"]), LOAD_FORMAT))
 
 
-def test_one_flipped_weight_is_caught(tree):
+def test_one_flipped_weight_is_caught(tree, path):
     """The test can fail: one element changed in one checkpoint tensor shows up as a
     mismatch of exactly the vLLM parameter it is fused into."""
     def flip(w):
@@ -135,7 +186,7 @@ def test_one_flipped_weight_is_caught(tree):
     assert mismatches(tree["default"], got) == ["model.layers.1.mlp.gate_up_proj.weight"]
 
 
-def test_damaged_volume_fails_the_load(tree):
+def test_damaged_volume_fails_the_load(tree, path):
     vol, cfg = restage(tree, "damaged", lambda w: None)
     with open_volume(str(vol), writable=True) as v:
         f = open_model(v).file("model.safetensors")
@@ -144,7 +195,7 @@ def test_damaged_volume_fails_the_load(tree):
         ours(vol, cfg)
 
 
-def test_missing_tensor_is_named(tree):
+def test_missing_tensor_is_named(tree, path):
     vol, cfg = restage(tree, "missing",
                        lambda w: w.pop("model.layers.1.mlp.down_proj.weight"))
     with pytest.raises(LoaderError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
