@@ -258,10 +258,10 @@ def share_on(backend, timer, state_dir: Path, size: int, reps: int, params: dict
     from csi_pmem.driver.state import StateStore
 
     store = StateStore(state_dir)
-    core = Core(DriverConfig("bench", "n", str(state_dir), delete_wait=600, scrub=scrub),
-                backend, store, DaxSocketServer())
     erased = [0.0]
-    core.on_erase = lambda nbytes, seconds: erased.__setitem__(0, erased[0] + seconds)
+    core = Core(DriverConfig("bench", "n", str(state_dir), delete_wait=600, scrub=scrub),
+                backend, store, DaxSocketServer(),
+                on_erase=lambda nbytes, seconds: erased.__setitem__(0, erased[0] + seconds))
     try:
         core.reconcile()
         pools = [p.name for p in backend.pools()

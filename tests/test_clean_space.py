@@ -89,7 +89,7 @@ def free_files(d: Driver) -> list[Path]:
 
 
 class Erases:
-    """Counts Driver._erase calls, by what they erased; can hold those whose namespace
+    """Counts the driver's namespace erases, by what they erased; can hold those whose namespace
     name starts with ``held`` at an event."""
 
     def __init__(self, d: Driver, monkeypatch: pytest.MonkeyPatch, held: str = "") -> None:
@@ -97,7 +97,7 @@ class Erases:
         self.hold = threading.Event()
         self.hold.set()
         self.started = threading.Event()
-        real = d._erase
+        real = d.namespace_eraser.erase
 
         def counted(ns, cancel=None):
             self.calls.append(ns.name)
@@ -107,7 +107,7 @@ class Erases:
                     raise EraseCancelled("test")
             real(ns, cancel)
 
-        monkeypatch.setattr(d, "_erase", counted)
+        monkeypatch.setattr(d.namespace_eraser, "erase", counted)
         d.scrubber.erase = counted
 
 
@@ -402,7 +402,7 @@ def test_close_gives_up_within_its_bound_and_says_what_resumes(drivers, monkeypa
         erases.hold.wait(30)
         raise EraseCancelled("test")
 
-    monkeypatch.setattr(d, "_erase", deaf)
+    monkeypatch.setattr(d.namespace_eraser, "erase", deaf)
     d.delete_volume(vol.id)
     assert erases.started.wait(10)
     t = time.monotonic()

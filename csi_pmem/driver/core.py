@@ -17,9 +17,18 @@ them together: half-created volumes are rolled back, half-deleted ones are finis
 published volumes get their sockets served again, and namespaces that look like ours
 but have no record are reported, never destroyed.
 
-Deleting and erasing live in :mod:`csi_pmem.driver.deletion`, the return of volumes
-lost from volatile pools in :mod:`csi_pmem.driver.recovery`: the same class, cut by
-job.
+The Driver's parts are collaborators it builds and calls, as aws-ebs-csi-driver and
+topolvm cut theirs: each gets what it needs in its constructor (the shared locks, the
+ledger and the queues by reference), logs under its own name and never calls back into
+the core. :class:`~csi_pmem.driver.deletion.Deleter` deletes volumes and finishes what
+a crash left of a create or a delete; :class:`~csi_pmem.driver.recovery.Recovery`
+carves lost volumes of volatile pools again; the
+:class:`~csi_pmem.driver.erasing.namespace.NamespaceEraser` is the one erase that
+create, delete, recovery and the scrubber share. Why not one class with a declared
+protocol: the three files shared the class's attributes and reached each other's
+methods through ``self`` (an ``_erase`` stub in one file stood for the real one in
+another), so a reader of one file could not tell what it depends on; as collaborators
+the constructor says it.
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ from csi_pmem import failpoints
 from csi_pmem.driver.backends.base import Backend, Namespace, Pool
 from csi_pmem.driver.config import DriverConfig
 from csi_pmem.driver.daxsock import DaxSocketServer
-from csi_pmem.driver.deletion import Deletion
+from csi_pmem.driver.deletion import Deleter
 from csi_pmem.driver.erasing.cleanspace import CleanSpace
 from csi_pmem.driver.erasing.eraser import DELETE, STOP_TIMEOUT, EraseQueue
+from csi_pmem.driver.erasing.namespace import NamespaceEraser
 from csi_pmem.driver.erasing.scrub import Scrubber
 from csi_pmem.driver.host.filesystems import Usage
 from csi_pmem.driver.host.mounter import HostMounter, Mounter
@@ -47,7 +57,7 @@ from csi_pmem.driver.node.access import Access
 from csi_pmem.driver.node.devdax import DevdaxNode
 from csi_pmem.driver.node.fsdax import FsdaxNode
 from csi_pmem.driver.params import DEVDAX, FSDAX, VolumeParams
-from csi_pmem.driver.recovery import VolatileRecovery
+from csi_pmem.driver.recovery import Recovery
 from csi_pmem.driver.state import (
     CREATING,
     DELETING,
@@ -112,8 +122,9 @@ class VolumeCondition:
     message: str
 
 
-class Driver(Deletion, VolatileRecovery):
-    """Owns the back end, the state store, the dax socket server and the locks."""
+class Driver:
+    """Owns the back end, the state store, the dax socket server, the locks and the
+    collaborators (module docstring)."""
 
     def __init__(self, config: DriverConfig, backend: Backend, store: StateStore,
                  dax: DaxSocketServer, on_erase: Callable[[int, float], None] | None = None,
@@ -129,15 +140,6 @@ class Driver(Deletion, VolatileRecovery):
         self.gpu_copy = gpu_copy
         self.inflight = InFlight()
         self.node_lock = threading.Lock()
-        self.on_erase = on_erase or (lambda nbytes, seconds: None)
-        # Called when zeroing a namespace fails (the delete then fails and is retried):
-        # metrics count it, since data that outlives its volume is what erase prevents.
-        self.on_erase_error = on_erase_error or (lambda: None)
-        # Called with the pool's name when a volume of a volatile pool was carved again
-        # after its contents were lost (metrics count it).
-        self.on_recreate = on_recreate or (lambda pool: None)
-        # Volumes of which nothing could be carved again, with why (their condition).
-        self._unrecoverable: dict[str, str] = {}
         self.orphans: list[str] = []
         self._kubelet_real = os.path.realpath(config.kubelet_dir)
         # One publisher per device mode, behind one interface (csi_pmem.driver.node); what
@@ -149,11 +151,26 @@ class Driver(Deletion, VolatileRecovery):
             FSDAX: FsdaxNode(backend, store, mounter),
         }
         # Erase once (docs/design.md §6.9): the clean-space ledger, the background
-        # eraser, and the scrubs that make dirty regions clean.
+        # eraser, the erase of one namespace (on_erase and on_erase_error count it), and
+        # the scrubs that make dirty regions clean.
         self.ledger = CleanSpace(store, backend)
         self.eraser = EraseQueue(config.erase_workers)
+        self.namespace_eraser = NamespaceEraser(
+            backend, threads=config.erase_threads, verify=config.erase_verify,
+            on_erase=on_erase, on_erase_error=on_erase_error)
         self.scrubber = Scrubber(backend, self.ledger, self.node_lock, self.eraser,
-                                 self._erase, enabled=config.scrub)
+                                 self.namespace_eraser.erase, enabled=config.scrub)
+        self.deleter = Deleter(
+            backend, store, inflight=self.inflight, node_lock=self.node_lock,
+            ledger=self.ledger, eraser=self.eraser, scrubber=self.scrubber,
+            namespace_eraser=self.namespace_eraser, gpu_copy=gpu_copy,
+            node_id=config.node_id, delete_wait=config.delete_wait,
+            erase_wait=config.erase_wait)
+        # on_recreate counts the volumes of volatile pools carved again.
+        self.recovery = Recovery(
+            backend, store, node_lock=self.node_lock, ledger=self.ledger,
+            scrubber=self.scrubber, namespace_eraser=self.namespace_eraser,
+            on_recreate=on_recreate)
 
     # ------------------------------------------------------------------ capacity
     def capacity(self, params: VolumeParams) -> Capacity:
@@ -190,7 +207,7 @@ class Driver(Deletion, VolatileRecovery):
         with self.inflight.hold(vid, "CreateVolume"):
             existing = self.store.get(vid)
             if existing is not None and existing.state != READY:
-                self._finish_pending(existing)
+                self.deleter.finish_pending(existing)
                 existing = self.store.get(vid)
             if existing is not None:
                 self._check_compatible(existing, name, required, limit, params)
@@ -217,7 +234,7 @@ class Driver(Deletion, VolatileRecovery):
             pool, record, ns, zero = self._carve(vid, name, request, required, limit, params)
         failpoints.hit(failpoints.CREATE_AFTER_NAMESPACE)
         if zero:
-            self._erase(ns)  # a dirty region: it may hold data of earlier tenants
+            self.namespace_eraser.erase(ns)  # a dirty region: it may hold earlier data
         capacity = promised_size(ns.usable_size, limit, params.align)
         intent, record = record, replace(record, state=READY, size=ns.size,
                                          usable_size=capacity, device=ns.device,
@@ -232,7 +249,7 @@ class Driver(Deletion, VolatileRecovery):
             # No room for the outcome (a full state directory): give the namespace back
             # now, not only when a retry or a restart finds the CREATING intent.
             try:
-                self._finish_pending(intent)
+                self.deleter.finish_pending(intent)
             except Exception:
                 log.exception("could not roll back volume %s now; its creating record "
                               "rolls it back on the next CreateVolume or start", vid)
@@ -338,7 +355,7 @@ class Driver(Deletion, VolatileRecovery):
 
     def _check_compatible(self, rec: VolumeRecord, name: str, required: int, limit: int,
                           params: VolumeParams) -> None:
-        pool = self._pool_of(rec)
+        pool = self.backend.pool(rec.pool)
         problems = params.compatible_with(rec.params, rec.numa_node,
                                           media=pool.media if pool is not None else None)
         if rec.usable_size < required:
@@ -351,6 +368,11 @@ class Driver(Deletion, VolatileRecovery):
             raise AlreadyExists(
                 f"volume {name!r} already exists with different properties ("
                 + "; ".join(problems) + "); use another name or delete it first")
+
+    # ------------------------------------------------------------------ delete
+    def delete_volume(self, vid: str) -> None:
+        """DeleteVolume (csi_pmem.driver.deletion)."""
+        self.deleter.delete_volume(vid)
 
     # ------------------------------------------------------------------ queries
     def get(self, vid: str) -> VolumeRecord:
@@ -373,16 +395,7 @@ class Driver(Deletion, VolatileRecovery):
     def condition(self, rec: VolumeRecord) -> VolumeCondition:
         ns = self.backend.get(rec.id)
         if ns is None:
-            why = self._unrecoverable.get(rec.id)
-            if why is not None:
-                return VolumeCondition(True, why)
-            pool = self._pool_of(rec)
-            if pool is not None and pool.volatile:
-                return VolumeCondition(True, (
-                    f"the namespace of volume {rec.id} has disappeared from volatile pool "
-                    f"{rec.pool} (contents lost at a node restart?); it is carved again, "
-                    "empty, at its next publish or driver start"))
-            return VolumeCondition(True, f"the namespace of volume {rec.id} has disappeared")
+            return VolumeCondition(True, self.recovery.why_lost(rec))
         if rec.recreating:
             return VolumeCondition(True, (
                 f"volume {rec.id} is being carved again after its contents were lost; it "
@@ -426,7 +439,7 @@ class Driver(Deletion, VolatileRecovery):
         (each publish is self-contained) or for fsdax block volumes."""
         path = self.check_target(path)
         with self.inflight.hold(vid, "NodeStageVolume"):
-            rec = self._restore_if_lost(self.get(vid))
+            rec = self.recovery.restore_if_lost(self.get(vid))
             self._node(rec).stage(rec, path, access)
 
     def unstage(self, vid: str, path: str) -> None:
@@ -441,7 +454,7 @@ class Driver(Deletion, VolatileRecovery):
         device mode's own story in its publisher (csi_pmem.driver.node)."""
         target = self.check_target(target)
         with self.inflight.hold(vid, "NodePublishVolume"):
-            rec = self._restore_if_lost(self.get(vid))
+            rec = self.recovery.restore_if_lost(self.get(vid))
             self._check_single_writer(rec, target, readonly, access_mode)
             # Only fsdax file systems are staged; a devdax publish ignores the path.
             staging = self.check_target(staging) if staging and rec.device_mode == FSDAX \
@@ -501,10 +514,10 @@ class Driver(Deletion, VolatileRecovery):
             ns = namespaces.pop(rec.id, None)
             try:
                 if rec.state != READY:
-                    self._finish_pending(rec, wait=False)  # deletes resume in the background
+                    self.deleter.finish_pending(rec, wait=False)  # deletes resume in the background
                     continue
                 if ns is None or rec.recreating:
-                    found = self._reconcile_lost(rec, ns)
+                    found = self.recovery.reconcile_lost(rec, ns)
                     if found is None:
                         continue
                     rec, ns = found

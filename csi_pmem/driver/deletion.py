@@ -1,5 +1,5 @@
-"""DeleteVolume and the erase before reuse: the :class:`~csi_pmem.driver.core.Driver`'s
-delete path, cut out of the core by job.
+"""DeleteVolume and what a crash left of a create or a delete: the
+:class:`~csi_pmem.driver.core.Driver`'s :class:`Deleter`, which it builds and calls.
 
 Erasing (docs/design.md §6.9): DeleteVolume with ``eraseOnDelete`` queues the erase on
 the background eraser (:mod:`csi_pmem.driver.erasing.eraser`) and returns; the namespace
@@ -8,51 +8,56 @@ regions' free space is known to be zeros lives in the clean-space ledger
 (:mod:`csi_pmem.driver.erasing.cleanspace`): CreateVolume zeroes only in dirty regions,
 and scrubs (:mod:`csi_pmem.driver.erasing.scrub`) make them clean again.
 
-Why a mixin and not a collaborator: every step runs under the driver's in-flight slot,
-node lock, ledger and eraser, and start-up's reconcile resumes deletes through the same
-methods; a second object would only pass all of that back and forth.
+Why a collaborator (as aws-ebs-csi-driver and topolvm cut their drivers), not a part of
+the Driver class: the delete path needs only what its constructor names (the in-flight
+slots, the node lock, the ledger, the erase queue, the scrubber, the namespace eraser
+and the copy service), shares them with the core by reference, and never calls back
+into the core; start-up's reconcile and a CreateVolume of a name being deleted reach
+the same code through :meth:`Deleter.finish_pending`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import stat
 import threading
-from collections.abc import Callable
 
 from csi_pmem import failpoints
-from csi_pmem.driver.backends.base import Backend, Namespace
-from csi_pmem.driver.config import DriverConfig
+from csi_pmem.driver.backends.base import Backend
 from csi_pmem.driver.erasing.cleanspace import CleanSpace
-from csi_pmem.driver.erasing.erase import EraseCancelled, zero_fd
 from csi_pmem.driver.erasing.eraser import DELETE, EraseQueue
+from csi_pmem.driver.erasing.namespace import NamespaceEraser
 from csi_pmem.driver.erasing.scrub import Scrubber
 from csi_pmem.driver.locks import InFlight
 from csi_pmem.driver.params import FSDAX
 from csi_pmem.driver.state import CREATING, DELETING, StateStore, VolumeRecord, is_volume_id
 from csi_pmem.errors import Aborted, FailedPrecondition
 from csi_pmem.gpucopy.link import ServiceLink
-from csi_pmem.numa import node_cpus
 from csi_pmem.sizes import format_bytes
 
-log = logging.getLogger("csi_pmem.driver.core")
+log = logging.getLogger(__name__)
 
 
-class Deletion:
-    """The delete path of :class:`csi_pmem.driver.core.Driver` (which sets these)."""
+class Deleter:
+    """The delete path; see the module docstring."""
 
-    config: DriverConfig
-    backend: Backend
-    store: StateStore
-    inflight: InFlight
-    node_lock: threading.Lock
-    ledger: CleanSpace
-    eraser: EraseQueue
-    scrubber: Scrubber
-    gpu_copy: ServiceLink | None
-    on_erase: Callable[[int, float], None]
-    on_erase_error: Callable[[], None]
+    def __init__(self, backend: Backend, store: StateStore, *, inflight: InFlight,
+                 node_lock: threading.Lock, ledger: CleanSpace, eraser: EraseQueue,
+                 scrubber: Scrubber, namespace_eraser: NamespaceEraser,
+                 gpu_copy: ServiceLink | None, node_id: str, delete_wait: float,
+                 erase_wait: float) -> None:
+        self.backend = backend
+        self.store = store
+        self.inflight = inflight
+        self.node_lock = node_lock
+        self.ledger = ledger
+        self.eraser = eraser  # the background erase queue
+        self.scrubber = scrubber
+        self.namespace_eraser = namespace_eraser
+        self.gpu_copy = gpu_copy
+        self.node_id = node_id
+        self.delete_wait = delete_wait  # how long DeleteVolume waits for its erase
+        self.erase_wait = erase_wait    # how long a CreateVolume waits for one
 
     def delete_volume(self, vid: str) -> None:
         if not is_volume_id(vid):
@@ -63,11 +68,11 @@ class Deletion:
                 if self.backend.get(vid) is not None:
                     raise FailedPrecondition(
                         f"namespace {vid} exists but has no state record on node "
-                        f"{self.config.node_id}; it is left alone, inspect it by hand")
+                        f"{self.node_id}; it is left alone, inspect it by hand")
                 return
             if rec.state == DELETING:
                 self._continue_delete(rec)  # deleted already; the erase may still run
-                self.eraser.wait(vid, self.config.delete_wait)
+                self.eraser.wait(vid, self.delete_wait)
                 return
             if rec.publications or rec.stages:
                 where = sorted(rec.publications) or sorted(rec.stages)
@@ -84,7 +89,37 @@ class Deletion:
             self._continue_delete(rec)
             # A small erase is over within moments: then the space is free when the call
             # returns. A huge one goes on in the background after this bounded wait.
-            self.eraser.wait(vid, self.config.delete_wait)
+            self.eraser.wait(vid, self.delete_wait)
+
+    def finish_pending(self, rec: VolumeRecord, wait: bool = True) -> None:
+        """Complete what a crash interrupted: roll back a create, finish a delete.
+
+        A deleted volume's erase runs in the background; with ``wait`` (a CreateVolume
+        of the same name) this waits up to ``erase_wait`` seconds for it, then says
+        ABORTED: the name is free again only once the old namespace is gone.
+        """
+        if rec.state == CREATING:
+            ns = self.backend.get(rec.id)
+            with self.node_lock:
+                if ns is not None:
+                    self.ledger.expect_freed(ns.pool, ns.size)  # never handed out
+                # Also without a listed volume: a create killed inside ndctl can leave a
+                # raw namespace with the name, which the destroy removes (its freed
+                # space then makes the region dirty, the safe side).
+                self.backend.destroy(rec.id)
+            self.store.delete(rec.id)
+            log.warning("rolled back interrupted creation of %s (%s)", rec.id, rec.name)
+        elif rec.state == DELETING:
+            if not wait:
+                log.warning("resuming interrupted deletion of %s (%s)", rec.id, rec.name)
+            self._continue_delete(rec, resumed=not wait)
+            if wait and not self.eraser.wait(rec.id, self.erase_wait):
+                raise Aborted(
+                    f"volume {rec.name!r} was deleted and its {format_bytes(rec.size)} are "
+                    "still being erased; a new volume of that name can be made when the "
+                    "erase is done: retry shortly")
+            if self.store.get(rec.id) is None:
+                log.info("finished deletion of %s (%s)", rec.id, rec.name)
 
     def _check_not_in_use(self, rec: VolumeRecord) -> None:
         """An fsdax device mounted outside the driver (by hand, or a mount whose record
@@ -120,7 +155,7 @@ class Deletion:
         ns = self.backend.get(rec.id)
         erase = self._erases(rec)
         if ns is not None and erase and not rec.erased:
-            self._erase(ns, cancel)
+            self.namespace_eraser.erase(ns, cancel)
             # Write-ahead for the destroy: a stop or crash from here on resumes with the
             # destroy alone (csi_pmem.driver.state.VolumeRecord.erased).
             rec.erased = True
@@ -158,57 +193,3 @@ class Deletion:
                 self.ledger.mark_dirty(rec.pool, f"volume {rec.id} ({rec.name}) left a "
                                        "namespace that was not erased")
             self.backend.destroy(rec.id)
-
-    def _erase(self, ns: Namespace, cancel: threading.Event | None = None) -> None:
-        try:
-            fd = self.backend.open_device(ns, readonly=False, exclusive=True)
-            try:
-                st = os.fstat(fd)
-                # A regular file (the emulated back end) is handed to the pod whole, so
-                # all of it is erased, not just the usable size.
-                length = st.st_size if stat.S_ISREG(st.st_mode) else ns.usable_size
-                result = zero_fd(fd, length, threads=self.config.erase_threads,
-                                 verify=self.config.erase_verify,
-                                 cpus=node_cpus(ns.numa_node), cancel=cancel)
-            finally:
-                os.close(fd)
-        except EraseCancelled:
-            raise  # a scrub or erase given up on purpose, not a failure
-        except Exception:
-            self.on_erase_error()
-            raise
-        self.on_erase(result.bytes, result.seconds)
-        log.info("erased %s: %s in %.3f s (%.2f GB/s, %d threads, %s, verify %s%s)",
-                 ns.name, format_bytes(result.bytes), result.seconds,
-                 result.bytes / max(result.seconds, 1e-9) / 1e9, result.threads,
-                 result.method, result.verify, ", persisted" if result.persisted else "")
-
-    def _finish_pending(self, rec: VolumeRecord, wait: bool = True) -> None:
-        """Complete what a crash interrupted: roll back a create, finish a delete.
-
-        A deleted volume's erase runs in the background; with ``wait`` (a CreateVolume
-        of the same name) this waits up to ``erase_wait`` seconds for it, then says
-        ABORTED: the name is free again only once the old namespace is gone.
-        """
-        if rec.state == CREATING:
-            ns = self.backend.get(rec.id)
-            with self.node_lock:
-                if ns is not None:
-                    self.ledger.expect_freed(ns.pool, ns.size)  # never handed out
-                # Also without a listed volume: a create killed inside ndctl can leave a
-                # raw namespace with the name, which the destroy removes (its freed
-                # space then makes the region dirty, the safe side).
-                self.backend.destroy(rec.id)
-            self.store.delete(rec.id)
-            log.warning("rolled back interrupted creation of %s (%s)", rec.id, rec.name)
-        elif rec.state == DELETING:
-            if not wait:
-                log.warning("resuming interrupted deletion of %s (%s)", rec.id, rec.name)
-            self._continue_delete(rec, resumed=not wait)
-            if wait and not self.eraser.wait(rec.id, self.config.erase_wait):
-                raise Aborted(
-                    f"volume {rec.name!r} was deleted and its {format_bytes(rec.size)} are "
-                    "still being erased; a new volume of that name can be made when the "
-                    "erase is done: retry shortly")
-            if self.store.get(rec.id) is None:
-                log.info("finished deletion of %s (%s)", rec.id, rec.name)

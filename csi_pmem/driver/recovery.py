@@ -1,16 +1,22 @@
 """Volumes of volatile pools come back: the :class:`~csi_pmem.driver.core.Driver`'s
-recovery of lost volumes, cut out of the core by job.
+:class:`Recovery`, which it builds and calls.
 
 Volatile pools (``Pool.media``, docs/media.md): a volume outlives its pods, not its
 node. When a READY volume's namespace is gone from a volatile pool (the node restarted,
 the tmpfs of an emulated pool was mounted again, a region was created again), start-up
 and NodePublish/NodeStageVolume carve it again under the same id at its recorded size,
-pool and align (:meth:`Driver._recreate`), zero it through the same path as a create in
-a dirty region, and only then serve it. The volume's condition says its contents were
-lost and when (``VolumeRecord.contents_lost_at``); a staged model is simply absent, so
-the staging sidecar stages it again. Where it cannot be carved (the pool is gone or
-full) it stays abnormal with that reason and is retried at the next start or publish. On
-persistent pools a lost namespace is only ever reported.
+pool and align (:meth:`Recovery._recreate`), zero it through the same path as a create in
+a dirty region (:class:`~csi_pmem.driver.erasing.namespace.NamespaceEraser`), and only
+then serve it. The volume's condition says its contents were lost and when
+(``VolumeRecord.contents_lost_at``); a staged model is simply absent, so the staging
+sidecar stages it again. Where it cannot be carved (the pool is gone or full) it stays
+abnormal with that reason (:meth:`Recovery.why_lost`) and is retried at the next start
+or publish. On persistent pools a lost namespace is only ever reported.
+
+Why a collaborator, not a part of the Driver class: recovery needs only what its
+constructor names (the node lock, the ledger, the scrubber's create guard, the namespace
+eraser), keeps its own state (why a volume cannot be carved) and never calls back into
+the core; the core asks it before a publish or stage and at start-up.
 """
 
 from __future__ import annotations
@@ -21,39 +27,53 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from csi_pmem.driver.backends.base import Backend, Namespace, Pool
+from csi_pmem.driver.backends.base import Backend, Namespace
 from csi_pmem.driver.erasing.cleanspace import CleanSpace
+from csi_pmem.driver.erasing.namespace import NamespaceEraser
 from csi_pmem.driver.erasing.scrub import Scrubber
 from csi_pmem.driver.state import StateStore, VolumeRecord
 from csi_pmem.errors import BackendError, CsiPmemError, FailedPrecondition, ResourceExhausted
 from csi_pmem.sizes import describe_size, format_bytes
 
-log = logging.getLogger("csi_pmem.driver.core")
+log = logging.getLogger(__name__)
 
 
-class VolatileRecovery:
-    """The recovery path of :class:`csi_pmem.driver.core.Driver` (which sets these)."""
+class Recovery:
+    """The return of lost volumes; see the module docstring."""
 
-    backend: Backend
-    store: StateStore
-    node_lock: threading.Lock
-    ledger: CleanSpace
-    scrubber: Scrubber
-    on_recreate: Callable[[str], None]
-    _unrecoverable: dict[str, str]
+    def __init__(self, backend: Backend, store: StateStore, *, node_lock: threading.Lock,
+                 ledger: CleanSpace, scrubber: Scrubber, namespace_eraser: NamespaceEraser,
+                 on_recreate: Callable[[str], None] | None = None) -> None:
+        self.backend = backend
+        self.store = store
+        self.node_lock = node_lock
+        self.ledger = ledger
+        self.scrubber = scrubber
+        self.namespace_eraser = namespace_eraser
+        # Called with the pool's name when a volume of a volatile pool was carved again
+        # after its contents were lost (metrics count it).
+        self.on_recreate = on_recreate or (lambda pool: None)
+        # Volumes of which nothing could be carved again, with why (their condition).
+        self._unrecoverable: dict[str, str] = {}
 
-    def _erase(self, ns: Namespace, cancel: threading.Event | None = None) -> None:
-        raise NotImplementedError  # the Driver's (csi_pmem.driver.deletion)
+    def why_lost(self, rec: VolumeRecord) -> str:
+        """The condition of a READY volume whose namespace is not listed."""
+        why = self._unrecoverable.get(rec.id)
+        if why is not None:
+            return why
+        pool = self.backend.pool(rec.pool)
+        if pool is not None and pool.volatile:
+            return (f"the namespace of volume {rec.id} has disappeared from volatile pool "
+                    f"{rec.pool} (contents lost at a node restart?); it is carved again, "
+                    "empty, at its next publish or driver start")
+        return f"the namespace of volume {rec.id} has disappeared"
 
-    def _pool_of(self, rec: VolumeRecord) -> Pool | None:
-        return next((p for p in self.backend.pools() if p.name == rec.pool), None)
-
-    def _reconcile_lost(self, rec: VolumeRecord,
+    def reconcile_lost(self, rec: VolumeRecord,
                         ns: Namespace | None) -> tuple[VolumeRecord, Namespace] | None:
         """At start-up: carve a lost volume of a volatile pool again (or finish a carve a
         crash cut short); report any other lost volume. The new record and namespace,
         or None."""
-        pool = self._pool_of(rec)
+        pool = self.backend.pool(rec.pool)
         if ns is None and (pool is None or not pool.volatile):
             if pool is None:
                 self._unrecoverable[rec.id] = self._pool_gone(rec)
@@ -69,13 +89,13 @@ class VolatileRecovery:
         found = self.backend.get(rec.id)
         return None if found is None else (rec, found)
 
-    def _restore_if_lost(self, rec: VolumeRecord) -> VolumeRecord:
+    def restore_if_lost(self, rec: VolumeRecord) -> VolumeRecord:
         """Before a publish or stage: a lost volume of a volatile pool is carved again
         (FAILED_PRECONDITION saying why when it cannot be); other volumes as they are."""
         ns = self.backend.get(rec.id)
         if ns is not None and not rec.recreating:
             return rec
-        pool = self._pool_of(rec)
+        pool = self.backend.pool(rec.pool)
         if pool is None:
             self._unrecoverable[rec.id] = self._pool_gone(rec)
             raise FailedPrecondition(self._unrecoverable[rec.id])
@@ -118,7 +138,7 @@ class VolatileRecovery:
         where = f"{rec.pool} (NUMA node {rec.numa_node})"
         with self.scrubber.creating():  # a scrub gives its space back first
             with self.node_lock:
-                pool = self._pool_of(rec)
+                pool = self.backend.pool(rec.pool)
                 if pool is None:
                     raise FailedPrecondition(self._pool_gone(rec))
                 problem = pool.problem_for(rec.device_mode)
@@ -167,7 +187,7 @@ class VolatileRecovery:
                 f"volume {rec.id} was carved again in {where} but offers "
                 f"{describe_size(ns.usable_size)}, below its {describe_size(rec.usable_size)}")
         if zero:
-            self._erase(ns)  # reset memory may hold another tenant's bytes
+            self.namespace_eraser.erase(ns)  # reset memory may hold another tenant's bytes
         rec = replace(rec, recreating=False, device=ns.device, numa_node=ns.numa_node,
                       contents_lost_at=rec.contents_lost_at or time.time())
         self.store.put(rec)

@@ -16,8 +16,8 @@ import logging
 import shutil
 import socket
 import tempfile
-from pathlib import Path
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 import tiny

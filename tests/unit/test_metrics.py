@@ -37,8 +37,8 @@ def node():
 def metrics(node):
     m = Metrics(DRIVER_NAME, backend="emulated")
     m.watch_pools(node.backend, lambda: node.driver.orphans)
-    node.driver.on_erase = m.observe_erase
-    node.driver.on_erase_error = m.erase_failures.inc
+    node.driver.namespace_eraser.on_erase = m.observe_erase
+    node.driver.namespace_eraser.on_erase_error = m.erase_failures.inc
     rpc_module.observers.append(m.observe_rpc)
     yield m
     rpc_module.observers.remove(m.observe_rpc)
@@ -150,11 +150,11 @@ def test_erase_failure_is_counted(node, metrics, monkeypatch):
         calls.append(1)
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr("csi_pmem.driver.deletion.zero_fd", failing)
+    monkeypatch.setattr("csi_pmem.driver.erasing.namespace.zero_fd", failing)
     node.delete(vol.volume_id)  # the erase goes on (and fails) in the background
     eventually(lambda: value(metrics, "csi_pmem_erase_failures_total") >= 1,
                "the failed erase counted")
-    monkeypatch.setattr("csi_pmem.driver.deletion.zero_fd", zero_fd)
+    monkeypatch.setattr("csi_pmem.driver.erasing.namespace.zero_fd", zero_fd)
     eventually(lambda: value(metrics, "csi_pmem_erase_bytes_total") >= 64 * MiB,
                "the retried erase done", timeout=30)
     assert value(metrics, "csi_pmem_erase_failures_total") == len(calls)
