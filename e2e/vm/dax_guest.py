@@ -63,6 +63,7 @@ class DaxDriver(tg.Driver):
                 "--state-dir", str(self.state), "--backend", "ndctl,daxctl",
                 "--dax-setup", self.setup,
                 "--kubelet-dir", str(self.kubelet), "--metrics-address", tg.METRICS,
+                "--erase-wait-seconds", tg.ERASE_WAIT_SECONDS,
                 "--log-level", "debug", *self.extra]
 
 

@@ -273,6 +273,13 @@ def block_size(path: str) -> int:
 
 # --------------------------------------------------------------------------- driver
 
+# How long CreateVolume waits for space that deleted volumes' erases are freeing. Under
+# TCG an erase runs at a few hundred MB/s, so csi-sanity's create-right-after-delete
+# specs on a small region can outwait the 5 s default (seen: RESOURCE_EXHAUSTED with
+# 480Mi still being erased on the CXL region); a real node erases 100x faster.
+ERASE_WAIT_SECONDS = "120"
+
+
 class Driver:
     """``python -m csi_pmem serve --backend ndctl`` with its state under BASE."""
 
@@ -293,6 +300,7 @@ class Driver:
                 "--endpoint", f"unix://{self.sock}", "--node-id", NODE_ID,
                 "--state-dir", str(self.state), "--backend", "ndctl",
                 "--kubelet-dir", str(self.kubelet), "--metrics-address", METRICS,
+                "--erase-wait-seconds", ERASE_WAIT_SECONDS,
                 "--log-level", "debug", *self.extra]
 
     def start(self, failpoints: str = "") -> float:
