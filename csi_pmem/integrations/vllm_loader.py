@@ -10,10 +10,10 @@ loader only hands it ``(name, tensor)`` pairs, in volume order. Which tensors:
   batch through the path ``load_safetensors`` takes (the node's GPU copy service where
   the volume has ``gpu.sock``, else the in-pod pinned bounce), so vLLM's copies into
   its parameters are device-to-device and the load holds at most ``gpu_budget`` bytes
-  of device memory beyond them. On an H100 this moved the model at the host link's
-  speed, where CPU views reached 0.17 of it (docs/inference.md has the run).
-- Otherwise (the CPU, or several tensor-parallel ranks): views of the read-only
-  mapping on the CPU, from :func:`~csi_pmem.loader.start_load`; each rank's weight
+  of device memory beyond them (docs/inference.md has the measured speeds).
+- Otherwise (the CPU, or several tensor-parallel ranks): zero-copy views of the volume
+  on the CPU, from :func:`~csi_pmem.loader.start_load` (copy-on-write where the volume
+  allows it, read-only on devdax: vLLM only copies from them); each rank's weight
   loaders copy only their slice into their parameters. A CUDA stream of whole tensors
   would make every rank read the whole model over its host link.
 
@@ -93,7 +93,12 @@ class CsiPmemModelLoader(BaseModelLoader):
                                        batched.nbytes, batched.path)
                 where = f"{device} (batches of up to {human_size(batched.budget // 2)})"
             else:
-                handle = start_load(view, "cpu", verify=s.verify)
+                # vLLM's weight loaders copy from these tensors into its own
+                # parameters: zero-copy views, private where the volume allows it, and
+                # read-only on devdax rather than a second copy of the model in RAM.
+                writes = "private" if view.volume.private_refused_reason is None \
+                    else "readonly"
+                handle = start_load(view, "cpu", verify=s.verify, writes=writes)
                 checks = handle
                 loaded = model.load_weights(_pairs(handle))
                 handle.verified.result()  # ChecksumError: the volume copy is damaged

@@ -21,7 +21,7 @@ from typing import Any
 # not inside start_load: there, the import was most of the 4.5-7.3 ms that setting up
 # the check took inside a verified node-path load of 0.25 s in fresh processes.
 from csi_pmem.loader import gpuverify
-from csi_pmem.loader.cpu import numpy_view, torch_view
+from csi_pmem.loader.cpu import WRITES, numpy_view, resolve_writes, torch_view
 from csi_pmem.loader.model import ModelView, open_model
 from csi_pmem.weights import checksum
 from csi_pmem.weights.errors import ChecksumError, LoaderError
@@ -210,7 +210,8 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
                model: str | None = None, names: Iterable[str] | None = None,
                predicate: Callable[[str], bool] | None = None, verify: bool = True,
                verify_threads: int | None = None, loader: Any = None,
-               framework: str = "torch", prefault: bool = False) -> LoadHandle:
+               framework: str = "torch", prefault: bool = False,
+               writes: str = "auto") -> LoadHandle:
     """Start loading a staged model; returns at once with a :class:`LoadHandle`.
 
     ``volume``: a published volume directory, a devdax device, an fsdax block device or
@@ -222,13 +223,21 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
     numpy with ``framework="numpy"``); ``"cuda"``/``"cuda:N"`` copies through ``loader``
     (default: one shared :class:`~csi_pmem.loader.gpu.GpuLoader` per device). fsdax
     files and block devices always take the bounce path (``handle.path``); why is in
-    ``handle.view.volume.registration_refused_reason``.
+    ``handle.view.volume.registration_refused_reason``. ``writes`` says what a write
+    into a CPU tensor does (:mod:`csi_pmem.loader.cpu`): by default it lands in a
+    private copy of its page (file volumes), or the tensors are copies (devdax);
+    ``"readonly"`` gives zero-copy views that kill the process if written.
     """
+    if writes not in WRITES:
+        raise LoaderError(f"writes={writes!r} is not one of {', '.join(WRITES)}")
     if device != "cpu":
         if not device.startswith("cuda"):
             raise LoaderError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
         if framework != "torch":
             raise LoaderError(f"device {device!r} needs framework='torch'")
+        if writes != "auto":
+            raise LoaderError(f"writes={writes!r} is for CPU loads: tensors on "
+                              f"{device!r} are the process's own copies")
     if framework == "torch":
         _need_torch(device)
     owned = not isinstance(volume, Volume | ModelView)
@@ -272,8 +281,9 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
     if device == "cpu":
         make = numpy_view if framework == "numpy" else torch_view
         try:
+            mode = resolve_writes(view.volume, writes, framework)
             for fname, tensors in selection.items():
-                got = {t.name: make(view.volume, t) for t in tensors}
+                got = {t.name: make(view.volume, t, mode) for t in tensors}
                 for name, value in got.items():
                     handle._tensor(name, value)
                 handle._file(fname, got)

@@ -202,6 +202,38 @@ def large_pages(fd: int, path: str | None = None, *,
         mount.fstype == "tmpfs" and bool(HUGE_TMPFS_OPTIONS & mount.options))
 
 
+def private_refusal(fd: int, path: str | None = None, *,
+                    mounts: Iterable[MountInfo] | None = None) -> str | None:
+    """Why ``fd`` cannot back a private (copy-on-write) mapping that is safe to write,
+    or None when it can.
+
+    Why: CPU tensors handed to a user's process are written by ordinary code
+    (``mul_``, ``nn.init``, fine-tuning). A private mapping turns such a write into a
+    page of the process's own memory; the volume never sees it. A devdax device only
+    allows shared mappings (the kernel refuses ``MAP_PRIVATE``), and on hugetlbfs the
+    private copy of a page needs a free huge page, without which the write dies of
+    SIGBUS.
+    """
+    st = os.fstat(fd)
+    if stat.S_ISCHR(st.st_mode):
+        return "a devdax device allows only shared mappings"
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+        return "not a file or block device"
+    if stat.S_ISBLK(st.st_mode):
+        return None
+    if mounts is None:
+        try:
+            mounts = mountinfo(MOUNTINFO)
+        except OSError:
+            return None
+    mount = mount_of(os.path.realpath(path) if path else None, mounts,
+                     f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    if mount is not None and mount.fstype == "hugetlbfs":
+        return ("a hugetlbfs file: a private copy of a page needs a free huge page, "
+                "and a write without one dies of SIGBUS")
+    return None
+
+
 def mapping_kind(fd: int, dax_reason: str | None) -> str:
     """What a mapping of ``fd`` is, for :mod:`~csi_pmem.weights.persist`."""
     st = os.fstat(fd)

@@ -41,6 +41,7 @@ from csi_pmem.weights.mapping import (
     large_pages,
     libc,
     mapping_kind,
+    private_refusal,
 )
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class Volume:
                  image: str | None = None, fd: int | None = None,
                  persistence: persistence.Persistence = persistence.NONE,
                  map_sync: bool = False, large_pages: bool = False,
-                 read_fd: int | None = None):
+                 read_fd: int | None = None, private_fd: int | None = None,
+                 private_refused_reason: str | None = "not opened for private mapping"):
         self.mapping: mmap.mmap | None = mapping
         self.size = size
         self.align = align
@@ -96,6 +98,10 @@ class Volume:
         self.large_pages = large_pages
         # A read-only 4 KiB-page file keeps its fd for pread() (see read_fd()).
         self._read_fd = read_fd
+        # Why private_mapping() cannot be had (None: it can), and the fd it maps.
+        self.private_refused_reason = private_refused_reason
+        self._private_fd = private_fd
+        self._private: mmap.mmap | None = None
 
     def read_fd(self) -> int | None:
         """An fd that pread() can read the volume through, or None: kept for regular
@@ -133,6 +139,35 @@ class Volume:
             raise VolumeError(f"range [{offset}, {offset + length}) is outside the volume "
                               f"{self.source} of {self.size} bytes")
         return self.buffer[offset:offset + length]
+
+    def private_mapping(self) -> mmap.mmap:
+        """A second, copy-on-write mapping of the whole volume (``MAP_PRIVATE``,
+        readable and writable), made on first use and kept until :meth:`close`.
+
+        Why: CPU tensors are ordinary tensors to the code that gets them, and ordinary
+        code writes into them. Through this mapping a write copies the page it touches
+        into this process's own memory; the volume, and every other reader of it, keep
+        the staged bytes. Pages never written stay the volume's own (no copy, no extra
+        memory). ``MAP_NORESERVE``: the kernel does not charge the whole length against
+        the overcommit limit up front, only the pages actually copied. Raises
+        :class:`VolumeError` saying why on volumes that cannot have one
+        (:attr:`private_refused_reason`: devdax, hugetlbfs, writable opens).
+        """
+        if self._private is not None:
+            return self._private
+        if self.private_refused_reason is not None or self._private_fd is None:
+            raise VolumeError(f"{self.source} cannot be mapped copy-on-write: "
+                              f"{self.private_refused_reason or 'its fd is not kept'}")
+        if self.mapping is None:
+            raise VolumeError(f"volume {self.source} is closed")
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0x4000)
+        try:
+            self._private = mmap.mmap(self._private_fd, self.size, flags=flags,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise VolumeError(f"copy-on-write mapping of {describe_size(self.size)} of "
+                              f"{self.source} failed: {exc}") from exc
+        return self._private
 
     @property
     def address(self) -> int:
@@ -266,10 +301,16 @@ class Volume:
 
     def close(self) -> None:
         self._unmap()
-        for fd in (self._fd, self._read_fd):
-            if fd is not None:
-                os.close(fd)
-        self._fd = self._read_fd = None
+        if self._private is not None:
+            try:
+                self._private.close()
+            except BufferError:
+                log.debug("%s: private mapping outlives close() (tensors still hold it)",
+                          self.source)
+            self._private = None
+        for fd in {self._fd, self._read_fd, self._private_fd} - {None}:
+            os.close(fd)  # type: ignore[arg-type]
+        self._fd = self._read_fd = self._private_fd = None
 
     def __enter__(self) -> Volume:
         return self
@@ -479,15 +520,22 @@ def open_volume(path: str | os.PathLike[str], *, writable: bool = False,
     except BaseException:
         os.close(fd)
         raise
-    # A read-only 4 KiB-page file keeps its fd for pread() (Volume.read_fd).
+    # A read-only 4 KiB-page file keeps its fd for pread() (Volume.read_fd), and a
+    # read-only volume that can be mapped copy-on-write keeps it for
+    # Volume.private_mapping().
     keep_read_fd = not keep_fd and not huge and stat.S_ISREG(os.fstat(fd).st_mode)
-    if not keep_fd and not keep_read_fd:
+    private = ("opened writable (for staging)" if writable
+               else private_refusal(fd, trusted_path))
+    keep_private_fd = not keep_fd and private is None
+    if not keep_fd and not keep_read_fd and not keep_private_fd:
         os.close(fd)
     volume = Volume(mapping, size=size, align=align, numa_node=node, writable=writable,
                     source=image or path, metadata=meta, registration_refused_reason=refused,
                     image=image, fd=fd if keep_fd else None, persistence=durable,
                     map_sync=synced, large_pages=huge,
-                    read_fd=fd if keep_read_fd else None)
+                    read_fd=fd if keep_read_fd else None,
+                    private_fd=fd if keep_private_fd else None,
+                    private_refused_reason=private)
     if prefault and not populated:
         volume.prefault()
     if writable:

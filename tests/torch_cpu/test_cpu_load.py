@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from csi_pmem.loader import load_safetensors, open_volume, stage
+from csi_pmem.weights.mapping import buffer_address
 
 import loader_models as lm
 
@@ -52,13 +53,17 @@ def test_cpu_views_are_bit_exact(tmp_path, kind):
 
 
 def test_cpu_views_are_the_mapping(tmp_path):
-    """No copy: a tensor's bytes live in the volume's mapping."""
+    """No copy: a read-only tensor's bytes live in the volume's shared mapping, and a
+    default (copy-on-write) one in its private mapping of the same pages."""
     src = tmp_path / "np"
     lm.save_numpy_model(src, lm.numpy_tensors())
     volume = lm.staged_volume(src, tmp_path / "vol")
     with open_volume(volume) as vol:
-        t = load_safetensors(vol, device="cpu")["f32"]
+        t = load_safetensors(vol, device="cpu", writes="readonly")["f32"]
         assert vol.address <= t.data_ptr() < vol.address + vol.size
+        cow = load_safetensors(vol, device="cpu")["f32"]
+        base = buffer_address(vol.private_mapping())
+        assert base <= cow.data_ptr() < base + vol.size
 
 
 def test_flipped_byte_on_the_volume_fails_the_load(tmp_path):
