@@ -26,6 +26,7 @@ from csi_pmem.cmdline import (
     enable_completion,
     exit_codes_epilog,
     from_env,
+    positive_quantity,
     positive_seconds,
     quantity,
     quiet_broken_pipe,
@@ -108,15 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
         return vsub.add_parser(name, help=help, description=help, parents=[out, conn],
                                formatter_class=HelpFormatter)
 
-    def volume_id(parser: argparse.ArgumentParser) -> None:
-        arg = parser.add_argument("volume_id", metavar="VOLUME_ID")
+    def volume_id(parser: argparse.ArgumentParser, several: bool = False) -> None:
+        arg = parser.add_argument("volume_id", metavar="VOLUME_ID",
+                                  nargs="+" if several else None)
         arg.completer = _complete_volume_ids  # type: ignore[attr-defined]
 
     c = action("create", "CreateVolume: carve a volume of at least --size")
     c.add_argument("name")
-    c.add_argument("--size", required=True, type=quantity,
-                   help="minimum usable size, a Kubernetes quantity: 1Gi is 1 GiB, 1G is "
-                        "10^9 bytes")
+    c.add_argument("--size", required=True, type=positive_quantity,
+                   help="minimum usable size, more than 0, a Kubernetes quantity: 1Gi is "
+                        "1 GiB, 1G is 10^9 bytes")
     c.add_argument("--limit", default=0, type=quantity,
                    help="maximum size, a quantity (0: none)")
     c.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
@@ -126,11 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     action("list", "ListVolumes, with each volume's condition")
     # Not "zeroes, then frees": DeleteVolume answers the same whether the erase is over
     # or still running, so no --wait here could know when the space is back.
-    d = action("delete", "DeleteVolume: the volume is gone when this returns; with "
+    d = action("delete", "DeleteVolume of each VOLUME_ID, in turn: the volume is gone "
+               "when this returns; with "
                "eraseOnDelete (the default) its space is zeroed, and free only once that "
                "is done: the driver waits for it up to its --delete-wait-seconds (1 s), "
-               "then zeroes on in the background")
-    volume_id(d)
+               "then zeroes on in the background. An id the driver does not know is "
+               "reported as not found, nothing to do (DeleteVolume is idempotent)")
+    volume_id(d, several=True)
     p = action("publish", "NodePublishVolume (devdax: mounts volume.json and dax.sock; "
                "fsdax: binds the device or the staged file system)")
     volume_id(p)
@@ -139,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pod-uid", default="", help="only processes of this pod may get the fd")
     p.add_argument("--staging", default="", help="staging path of an fsdax file system")
     _access_flags(p)
-    st = action("stage", "NodeStageVolume (fsdax: mkfs once, mount with -o dax)")
+    st = action("stage", "NodeStageVolume (fsdax: mkfs once, mount with -o dax; a devdax "
+                "volume, or an fsdax one with --block, has nothing to stage)")
     volume_id(st)
     st.add_argument("staging")
     _access_flags(st)
@@ -196,6 +201,19 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fs-type", default="", help="fsdax file system: ext4 (default) or xfs")
 
 
+def check_fs_size(args: argparse.Namespace) -> None:
+    """Refuse ``create --fs-type xfs`` of an fsdax volume below xfs's minimum before
+    anything is sent: the volume would be made, and only its stage would fail."""
+    if getattr(args, "action", None) != "create" or getattr(args, "block", False):
+        return
+    from csi_pmem.driver.host.filesystems import too_small
+
+    if dict(args.param).get("deviceMode") == "fsdax":
+        why = too_small(args.fs_type or "ext4", args.size)
+        if why:
+            raise UsageError(f"--size: {why}")
+
+
 def exit_code(exc: BaseException) -> Exit:
     """The one table from what went wrong to the exit status (:data:`cmdline.MEANING`
     says what each status tells a script; ``--help`` lists them)."""
@@ -242,6 +260,7 @@ def _run(args: argparse.Namespace) -> int:
         from csi_pmem.daxclient import DaxSocketError
 
         args.endpoint = endpoint(args)
+        check_fs_size(args)
         fmt = args.output or volume_output.default_format()
         volume_output.check(args.action, fmt)
         try:

@@ -245,6 +245,17 @@ def quantity(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def positive_quantity(text: str) -> int:
+    """An argparse type: a byte count as :func:`quantity` reads it, of at least 1 byte
+    (``--size 0`` of a volume is no size: refused here, a usage error, not sent to the
+    driver to come back as INVALID_ARGUMENT)."""
+    value = quantity(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is no size: give at least 1 byte, "
+                                         "e.g. 64Mi")
+    return value
+
+
 def enable_completion(parser: argparse.ArgumentParser) -> None:
     """Answer the shell's completion request when argcomplete is installed and the shell
     asked (``_ARGCOMPLETE`` set; argcomplete then exits); otherwise do nothing.

@@ -11,10 +11,24 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 log = logging.getLogger(__name__)
 
 SYSFS_NODE = "/sys/devices/system/node"
+# What was said about a node, by (sysfs, node, what): each is said once per process, at
+# WARNING, and at DEBUG after that. Every erase and every load asks again (a walkthrough
+# on a one-node host asked about the emulated default's NUMA-1 pool 9 times), and the
+# answer does not change while the process runs.
+_said: set[tuple[str, int, str]] = set()
+_said_lock = threading.Lock()
+
+
+def _warn_once(key: tuple[str, int, str], msg: str, *args: object) -> None:
+    with _said_lock:
+        first = key not in _said
+        _said.add(key)
+    log.log(logging.WARNING if first else logging.DEBUG, msg, *args)
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -50,14 +64,15 @@ def node_cpus(node: int | None, sysfs: str = SYSFS_NODE) -> list[int]:
         with open(os.path.join(sysfs, f"node{node}", "cpulist")) as f:
             local = parse_cpulist(f.read())
     except OSError as exc:
-        log.warning("NUMA node %d: cannot read its cpulist (%s); memcpy threads run "
-                    "unpinned", node, exc)
+        _warn_once((sysfs, node, "cpulist"), "NUMA node %d: cannot read its cpulist (%s); "
+                   "memcpy threads run unpinned (said once per process)", node, exc)
         return allowed
     usable = [c for c in local if c in set(allowed)]
     if not usable:
-        log.warning("NUMA node %d has CPUs %s but this process may only use %s: memcpy "
-                    "threads run off-node and copies cross the socket interconnect; give "
-                    "the pod CPUs on node %d", node, local, allowed, node)
+        _warn_once((sysfs, node, "off-node"),
+                   "NUMA node %d has CPUs %s but this process may only use %s: memcpy "
+                   "threads run off-node and copies cross the socket interconnect; give "
+                   "the pod CPUs on node %d", node, local, allowed, node)
         return allowed
     return usable
 

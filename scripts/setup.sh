@@ -27,6 +27,7 @@ command -v gcc >/dev/null || need_apt+=(gcc)
 [ -f /usr/include/pthread.h ] || need_apt+=(libc6-dev)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing system packages: ${need_apt[*]}"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
   else
@@ -43,9 +44,17 @@ fi
 # setup.py and the C source: the editable install compiles the loader's native bounce
 # loop in place (csi_pmem/loader/_native/bounce.c), so a change to either reinstalls.
 stamp=.venv/.installed-$(cat pyproject.toml setup.py csi_pmem/loader/_native/bounce.c | sha256sum | cut -c1-16)
+# Said before each step: on a fresh clone they take about a minute together, and pip -q
+# prints nothing but setuptools' warnings meanwhile.
 if [ ! -f "$stamp" ]; then
-  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating the virtual environment .venv ($("$PY" --version))"
+    "$PY" -m venv .venv
+  fi
+  echo "setup: upgrading pip in .venv"
   .venv/bin/python -m pip install -q --upgrade pip
+  echo "setup: installing csi-pmem[driver,test,dev] into .venv (editable, builds the" \
+    "loader's native bounce loop; about a minute on a fresh clone, setuptools may warn)"
   .venv/bin/python -m pip install -q -e '.[driver,test,dev]'
   rm -f .venv/.installed-*
   touch "$stamp"

@@ -57,9 +57,26 @@ def _dict(msg) -> dict:
 
 
 def inspect(target: str) -> dict:
-    from csi_pmem.daxclient import open_volume
+    """What a pod gets at ``target``; :class:`DriverUnreachable` when nothing answers on
+    its dax.sock (the driver is down or not serving the volume yet: worth a retry, as
+    every other action's "no answer"), :class:`ClientError` for everything else."""
+    from csi_pmem.daxclient import METADATA_FILE, DaxSocketError, open_volume
 
-    meta, fd = open_volume(target)
+    try:
+        meta, fd = open_volume(target)
+    except DaxSocketError as exc:
+        cause = exc.__cause__
+        # volume.json without its dax.sock: a publication whose driver is restarting.
+        restarting = isinstance(cause, FileNotFoundError) \
+            and os.path.isfile(os.path.join(target, METADATA_FILE))
+        if restarting:
+            raise DriverUnreachable(
+                f"{target} holds a published volume's {METADATA_FILE} but no dax.sock: the "
+                "csi-pmem node plugin is not running, or has not served this volume again "
+                "since it restarted; retry in a few seconds") from None
+        if isinstance(cause, ConnectionRefusedError | TimeoutError):
+            raise DriverUnreachable(str(exc)) from None
+        raise ClientError(str(exc)) from None
     try:
         try:
             size = int(meta["usable_size"])
@@ -126,6 +143,62 @@ def _list(ctl: csi_pb2_grpc.ControllerStub, timeout: float) -> dict:
             return {"entries": entries}
 
 
+def _found(ctl: csi_pb2_grpc.ControllerStub, vid: str,
+           timeout: float) -> csi_pb2.ControllerGetVolumeResponse | None:
+    """ControllerGetVolume of ``vid``; None when the driver answers NOT_FOUND."""
+    try:
+        return ctl.ControllerGetVolume(csi_pb2.ControllerGetVolumeRequest(volume_id=vid),
+                                       timeout=timeout)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return None
+        raise
+
+
+def _device_mode(ctl: csi_pb2_grpc.ControllerStub, vid: str, timeout: float) -> str:
+    """The volume's device mode from its volume_context ("" if it cannot be told)."""
+    try:
+        got = _found(ctl, vid, timeout)
+    except grpc.RpcError:
+        return ""
+    return got.volume.volume_context.get("deviceMode", "") if got is not None else ""
+
+
+def _delete(ctl: csi_pb2_grpc.ControllerStub, ids: list[str], timeout: float) -> dict:
+    """DeleteVolume of each id in turn (as kubectl delete takes several names). The
+    RPC stays idempotent, so it is sent for an unknown id too (it also finishes a delete
+    a crash cut short), but the answer tells a deleted volume from one that was not
+    there. The first refusal stops, naming what was deleted before it."""
+    deleted: list[str] = []
+    not_found: list[str] = []
+    for vid in ids:
+        try:
+            there = _found(ctl, vid, timeout) is not None
+            ctl.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=vid), timeout=timeout)
+        except grpc.RpcError as exc:
+            if deleted or not_found:
+                done = ", ".join(deleted + not_found)
+                raise _StoppedAt(exc, f"deleting {vid}; done before it: {done}") from None
+            raise
+        (deleted if there else not_found).append(vid)
+    return {"deleted": deleted, "not_found": not_found}
+
+
+class _StoppedAt(grpc.RpcError):
+    """A refusal in the middle of several requests: the code is the driver's, the
+    details say which request it was and what was done before it."""
+
+    def __init__(self, cause: grpc.RpcError, where: str) -> None:
+        super().__init__()
+        self._code, self._details = cause.code(), f"{cause.details() or ''} ({where})"
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
 def _call(args: argparse.Namespace, channel: grpc.Channel) -> dict:
     ctl = csi_pb2_grpc.ControllerStub(channel)
     node = csi_pb2_grpc.NodeStub(channel)
@@ -139,8 +212,7 @@ def _call(args: argparse.Namespace, channel: grpc.Channel) -> dict:
     if args.action == "list":
         return _list(ctl, t)
     if args.action == "delete":
-        ctl.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=args.volume_id), timeout=t)
-        return {"deleted": args.volume_id}
+        return _delete(ctl, args.volume_id, t)
     if args.action == "publish":
         ctx = {"csi.storage.k8s.io/pod.uid": args.pod_uid} if args.pod_uid else {}
         node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
@@ -154,7 +226,17 @@ def _call(args: argparse.Namespace, channel: grpc.Channel) -> dict:
         node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
             volume_id=args.volume_id, staging_target_path=os.path.abspath(args.staging),
             volume_capability=_cap(False, args)), timeout=t)
-        return {"staged": args.volume_id, "staging": os.path.abspath(args.staging)}
+        mode = _device_mode(ctl, args.volume_id, t)
+        doc = {"staged": args.volume_id, "staging": os.path.abspath(args.staging),
+               "device_mode": mode}
+        # NodeStageVolume succeeds for every volume (kubelet calls it for each), but only
+        # an fsdax file system is staged; say so rather than "staged at" a path that
+        # holds nothing.
+        if mode == "devdax" or args.block:
+            doc["nothing_to_stage"] = True
+        elif mode == "fsdax":
+            doc["fs_type"] = args.fs_type or "ext4"
+        return doc
     if args.action == "unstage":
         node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(
             volume_id=args.volume_id, staging_target_path=os.path.abspath(args.staging)),

@@ -112,6 +112,22 @@ def _done(verb: str, where: str | None = None) -> Callable[[dict[str, Any]], str
     return text
 
 
+def _delete(doc: dict[str, Any]) -> str:
+    return "\n".join([f"volume {v} deleted" for v in doc.get("deleted", [])]
+                     + [f"volume {v} not found, nothing to do"
+                        for v in doc.get("not_found", [])])
+
+
+def _stage(doc: dict[str, Any]) -> str:
+    vid, mode = doc["staged"], doc.get("device_mode")
+    if doc.get("nothing_to_stage"):
+        what = "a devdax volume" if mode == "devdax" else "a block volume"
+        return (f"volume {vid} is {what}: nothing to stage (NodeStageVolume only checked "
+                f"it, and {doc['staging']} holds nothing); publish it without --staging")
+    fs = f" as {doc['fs_type']}" if doc.get("fs_type") else ""
+    return f"volume {vid} staged at {doc['staging']}{fs}"
+
+
 def _capacity(doc: dict[str, Any]) -> str:
     header, row = ["AVAILABLE", "LARGEST VOLUME"], [size(doc.get("available_capacity")),
                                                    size(doc.get("maximum_volume_size"))]
@@ -158,16 +174,17 @@ def _info(doc: dict[str, Any]) -> str:
 
 
 _TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
-    "create": _create, "list": _list, "delete": _done("deleted"),
+    "create": _create, "list": _list, "delete": _delete,
     "publish": _done("published", "target"), "unpublish": _done("unpublished"),
-    "stage": _done("staged", "staging"), "unstage": _done("unstaged"),
+    "stage": _stage, "unstage": _done("unstaged"),
     "capacity": _capacity, "stats": _stats, "inspect": _inspect, "info": _info,
 }
 
 _NAMES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "create": lambda d: [d["volume_id"]],
     "list": lambda d: [e["volume"]["volume_id"] for e in d.get("entries", [])],
-    "delete": lambda d: [d["deleted"]], "publish": lambda d: [d["published"]],
+    "delete": lambda d: [*d.get("deleted", []), *d.get("not_found", [])],
+    "publish": lambda d: [d["published"]],
     "unpublish": lambda d: [d["unpublished"]], "stage": lambda d: [d["staged"]],
     "unstage": lambda d: [d["unstaged"]],
     "inspect": lambda d: [d["metadata"]["volume_id"]],

@@ -31,6 +31,7 @@ from csi_pmem.cmdline import (
     LOG_LEVELS,
     Exit,
     HelpFormatter,
+    UsageError,
     add_output,
     add_version,
     attach_negative_values,
@@ -68,6 +69,16 @@ any other directory, such as an fsdax file system volume's mount: its volume is 
 the image file csi-pmem-weights.img in it, which stage creates and grows to fit."""
 
 
+def align_size(text: str) -> int:
+    """An argparse type: ``--align``, a quantity that is a power of two of at least
+    4 KiB (what a mapping of the volume can be aligned to), else a usage error."""
+    value = parse_size(text)
+    if value < 4096 or value & (value - 1):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a power of two of at least 4Ki (e.g. 2Mi or 1Gi)")
+    return value
+
+
 def progress(verb: str, args: argparse.Namespace) -> Progress:
     return Progress(verb, wanted(args.progress))
 
@@ -80,7 +91,11 @@ def _plain_file(path: str, size: int | None, align: int | None) -> None:
         return  # a directory volume's image is sized by open_for_staging
     size = round_up(size, align or DEFAULT_ALIGN)
     if os.path.exists(path) and not os.path.isfile(path):
-        raise errors.VolumeError(f"--size applies to plain files only; {path} is not one")
+        # A flag that does not apply to this VOLUME: a usage error, as a bad value is.
+        raise UsageError(f"--size applies to a plain-file VOLUME or a directory VOLUME's "
+                         f"image only; {path} is neither (a devdax or fsdax device, or a "
+                         "published devdax volume, has the size it was made with): drop "
+                         "--size")
     with open(path, "ab") as f:
         if os.fstat(f.fileno()).st_size < size:
             f.truncate(size)
@@ -152,6 +167,11 @@ def _stage_table(result: staging.StageResult, volume: str, image: str,
 
 def cmd_stage(args: argparse.Namespace) -> int:
     fmt = output_format(args)
+    if args.size is None and not os.path.lexists(args.volume):
+        raise errors.VolumeError(
+            f"{args.volume} does not exist: pass --size (e.g. --size 16Gi) to create it as "
+            "a plain-file volume, or give a published volume directory, a device or an "
+            "existing file")
     _plain_file(args.volume, args.size, args.align)
     with progress("stage", args) as bar, \
             staging.open_for_staging(args.volume, align=args.align, size=args.size) as vol:
@@ -304,8 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--size", type=parse_size,
                    help="create/grow a plain-file VOLUME (or a directory VOLUME's image "
                         f"file) to at least SIZE ({SIZE_HELP})")
-    s.add_argument("--align", type=parse_size,
-                   help=f"override the volume align, e.g. 2Mi ({SIZE_HELP})")
+    s.add_argument("--align", type=align_size,
+                   help=f"override the volume align, a power of two of at least 4Ki, "
+                        f"e.g. 2Mi ({SIZE_HELP})")
     common(s, model=False)
     add_output(s, OUTPUT_HELP.format(names="the model name"), json_alias=True)
     s.set_defaults(func=cmd_stage)
@@ -372,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
+    except UsageError as exc:
+        print(f"csi-pmem-weights: error: {exc}", file=sys.stderr)
+        return Exit.USAGE
     except errors.LoaderError as exc:
         print(f"csi-pmem-weights: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -12,6 +12,10 @@ are the same for ext4 and xfs and for the ndctl and emulated back ends.
   without reflink, which older kernels refuse to combine with DAX. Neither discards:
   a new volume was zeroed already, and discarding an emulated loop device would punch
   holes in its reserved backing file.
+- xfs needs a device of at least 300 MiB (:data:`MIN_BYTES`; ``mkfs.xfs`` refuses
+  smaller ones): :func:`make` says so before running it, and a mkfs that fails for any
+  other reason is FAILED_PRECONDITION with mkfs's own words, never an INTERNAL error
+  with a traceback in the driver log.
 - ``-o dax`` (the legacy spelling of ``dax=always``, accepted by both file systems on
   every kernel with fsdax) is added when the back end says the device supports DAX.
 
@@ -26,7 +30,8 @@ import stat
 from dataclasses import dataclass
 
 from csi_pmem.driver.host.runner import Runner
-from csi_pmem.errors import CommandError, FailedPrecondition, from_os_error
+from csi_pmem.errors import CommandError, FailedPrecondition, InvalidArgument, from_os_error
+from csi_pmem.sizes import MiB, describe_size
 
 MKFS_TIMEOUT = 600.0
 PROBE_TIMEOUT = 30.0
@@ -36,6 +41,19 @@ _MKFS = {
     "xfs": ["mkfs.xfs", "-f", "-q", "-K", "-m", "reflink=0"],
 }
 _PACKAGE = {"ext4": "e2fsprogs", "xfs": "xfsprogs"}
+# The smallest device each mkfs accepts (xfsprogs 5.19 and later: "Filesystem must be
+# larger than 300MB", which is 300 MiB; ext4 has no minimum that a volume reaches).
+MIN_BYTES = {"xfs": 300 * MiB}
+
+
+class MkfsFailed(FailedPrecondition, CommandError):
+    """mkfs exited non-zero: FAILED_PRECONDITION (the status table finds
+    :class:`FailedPrecondition` first in the MRO) with mkfs's own first words, and still
+    the :class:`CommandError` (argv, status, stderr) every Mounter raises for a refusal."""
+
+    def __init__(self, exc: CommandError, message: str) -> None:
+        CommandError.__init__(self, exc.argv, exc.returncode, exc.stderr)
+        self.args = (message,)
 
 
 @dataclass(frozen=True)
@@ -80,8 +98,38 @@ def refuse_other(volume: str, device: str, have: str, fs_type: str) -> FailedPre
         "new volume")
 
 
+def too_small(fs_type: str, nbytes: int) -> str | None:
+    """Why ``fs_type`` cannot be made on ``nbytes``, or None when it can."""
+    least = MIN_BYTES.get(fs_type, 0)
+    if nbytes >= least:
+        return None
+    return (f"{fs_type} needs a volume of at least {describe_size(least)} (mkfs.{fs_type} "
+            f"refuses smaller ones), and this one is {describe_size(nbytes)}: use ext4 for "
+            f"it, or a volume of at least {least // MiB}Mi for {fs_type}")
+
+
+def device_size(device: str) -> int:
+    """The bytes of a block device (or of a file standing in for one)."""
+    fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    finally:
+        os.close(fd)
+
+
 def make(runner: Runner, device: str, fs_type: str) -> None:
-    """mkfs (forced: the caller decided the device holds nothing worth keeping)."""
+    """mkfs (forced: the caller decided the device holds nothing worth keeping).
+
+    A device too small for ``fs_type`` is INVALID_ARGUMENT before mkfs runs; a mkfs that
+    fails is FAILED_PRECONDITION with its first words (mkfs.xfs ends its message with
+    its usage text, whose last line says nothing about the failure)."""
+    try:
+        why = too_small(fs_type, device_size(device))
+    except OSError as exc:
+        raise from_os_error(exc, f"cannot read the size of {device} before mkfs.{fs_type}",
+                            fs=device) from exc
+    if why:
+        raise InvalidArgument(f"cannot make {fs_type} on {device}: {why}")
     try:
         runner.run([*_MKFS[fs_type], device], timeout=MKFS_TIMEOUT)
     except CommandError as exc:
@@ -89,7 +137,13 @@ def make(runner: Runner, device: str, fs_type: str) -> None:
             raise FailedPrecondition(
                 f"{_MKFS[fs_type][0]} is not installed where the driver runs: install "
                 f"{_PACKAGE[fs_type]} (the csi-pmem image has it)") from exc
-        raise
+        lines = [ln.strip() for ln in exc.stderr.splitlines() if ln.strip()]
+        said = lines[0] if lines else ("timed out" if exc.returncode is None
+                                       else f"exit status {exc.returncode}")
+        raise MkfsFailed(exc, (
+            f"mkfs.{fs_type} on {device} failed: {said}; nothing was mounted, and the "
+            "next NodeStageVolume formats again (the kernel log, dmesg, may say more)")
+            ) from exc
 
 
 def mount_options(dax: bool, mount_flags: list[str]) -> list[str]:
