@@ -18,6 +18,10 @@ middle of it, which is how the shutdown tests catch a stop cutting a step short.
 ``name=errno:ENOSPC`` (any errno name) raises that OSError there instead, naming the
 path the step works on: how the tests reach the error paths of a failure a real file
 system cannot be made to produce on cue (EIO while writing a state record).
+
+``name=ACTION@N`` (``weights-after-chunk=kill@3``, ``weights-after-file=stall@2``) acts
+only the Nth time this process reaches the point and passes the earlier ones: how a
+test stops a stage after a known number of chunks or files, counted, not timed.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def _parse(text: str) -> dict[str, str]:
 
 
 _ACTIVE = _parse(os.environ.get("CSI_PMEM_FAILPOINTS", ""))
+_HITS: dict[str, int] = {}
 
 CREATE_AFTER_RECORD = "create-after-record"
 CREATE_AFTER_NAMESPACE = "create-after-namespace"
@@ -54,11 +59,12 @@ STAGE_AFTER_MKFS = "stage-after-mkfs"
 WEIGHTS_AFTER_PLAN = "weights-after-plan"          # plan on the volume, no data yet
 WEIGHTS_AFTER_COPY = "weights-after-copy"          # a file's bytes persisted, not recorded
 WEIGHTS_AFTER_FILE = "weights-after-file"          # one file recorded done, others not
+WEIGHTS_AFTER_CHUNK = "weights-after-chunk"        # a chunk recorded (hit once per chunk)
 WEIGHTS_BEFORE_COMMIT = "weights-before-commit"    # every file done, model not committed
 WEIGHTS_INDEX_BODY = "weights-index-body"          # a new index body persisted, no header
 WEIGHTS_AFTER_COMMIT = "weights-after-commit"      # commit record persisted
-WEIGHTS = (WEIGHTS_AFTER_PLAN, WEIGHTS_AFTER_COPY, WEIGHTS_AFTER_FILE, WEIGHTS_BEFORE_COMMIT,
-           WEIGHTS_INDEX_BODY, WEIGHTS_AFTER_COMMIT)
+WEIGHTS = (WEIGHTS_AFTER_PLAN, WEIGHTS_AFTER_COPY, WEIGHTS_AFTER_FILE, WEIGHTS_AFTER_CHUNK,
+           WEIGHTS_BEFORE_COMMIT, WEIGHTS_INDEX_BODY, WEIGHTS_AFTER_COMMIT)
 # The clean-space ledger and the background eraser (tests/test_clean_space.py).
 ERASE_MID = "erase-mid"                    # an erase's first chunk zeroed, others not
 DELETE_AFTER_DIRTY = "delete-after-dirty"  # region marked dirty, namespace not destroyed
@@ -82,6 +88,11 @@ def hit(name: str, path: str | os.PathLike | None = None) -> None:
     action = _ACTIVE.get(name)
     if action is None:
         return
+    action, at, nth = action.partition("@")
+    if at:
+        _HITS[name] = _HITS.get(name, 0) + 1
+        if _HITS[name] != int(nth):
+            return
     if action.startswith("errno:"):
         code = getattr(errno, action.removeprefix("errno:"))
         raise OSError(code, os.strerror(code), os.fspath(path) if path is not None else None)

@@ -228,6 +228,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for entry in doc["models"]:
         for f in entry["files"]:
             f.pop("chunks", None)
+            f.pop("partial", None)
     used = max([INDEX_AREA] + [m.end for m in models])
     where = f"{args.volume} (image {image})" if image else args.volume
     lines = [f"{where}: {describe_size(size)}, align {describe_size(align)}, "
@@ -238,7 +239,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         lines.append(f"  {m.label()}  [{m.state}]  {len(m.files)} files, "
                      f"{describe_size(m.size)}")
         for f in m.files:
-            state = "" if f.done else "  (not copied yet)"
+            state = "" if f.done else "  (not copied yet)" if not f.partial else \
+                f"  ({len(f.partial)} of {-(-f.length // m.chunk_size)} chunks copied)"
             lines.append(f"    {f.length:>14}  @{f.offset:<14} {f.name}{state}")
     emit(fmt, doc, "\n".join(lines), [m.name for m in models])
     return 0

@@ -2,11 +2,12 @@
 
 Why a separate step from loading: staging writes (a sidecar with a read-write mount),
 loading only reads (the server, mounted read-only). Staging is restartable: the index
-records the plan first, then marks each file done after its bytes are copied,
-checksummed and persisted (:mod:`~csi_pmem.weights.persist`: a CPU cache flush on
-device-dax, msync on page-cache files), and commits the model last, so a crash or
-signal at any point leaves either the previous state or a ``staging`` entry that loads
-refuse and the next ``stage`` resumes (files already done are verified, not copied again).
+records the plan first, then each chunk as it completes and each file, done, as soon as
+its last chunk is, after their bytes are copied, checksummed and persisted
+(:mod:`~csi_pmem.weights.persist`: a CPU cache flush on device-dax, msync on page-cache
+files), and commits the model last, so a crash or signal at any point leaves either the
+previous state or a ``staging`` entry that loads refuse and the next ``stage`` resumes
+(every chunk already recorded is verified and kept, not copied again).
 
 A committed model is not trusted blindly when it is staged again: :func:`stage` checks
 every chunk it would skip and :func:`repair` copies again only the damaged chunks (a
@@ -29,12 +30,14 @@ before it writes the plan; it never shrinks, and is fsynced once the model is co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from csi_pmem import failpoints
@@ -185,7 +188,16 @@ def _copy_chunk(volume: Volume, fd: int, entry: FileEntry, off: int, length: int
 
 
 class _Copier:
-    """Copies files chunk-parallel and records each one in the index when done."""
+    """Copies files chunk-parallel and records each chunk in the index as it completes.
+
+    Completions are consumed as they come (each chunk's future puts itself on a queue),
+    not after the whole pool is done: every batch of completed chunks is recorded in
+    the index (``FileEntry.partial``) and reported to ``progress``, and a file is
+    recorded done, with its checksums, as soon as its last chunk is. One index write
+    covers every chunk that completed meanwhile, so the pool never waits on the index.
+    On any exception (Ctrl-C too) the queued chunks are cancelled, the running ones
+    finished, and every completed chunk recorded before the exception goes on.
+    """
 
     def __init__(self, volume: Volume, index: Index, model: ModelEntry,
                  sources: dict[str, SourceFile], threads: int, progress: Progress | None,
@@ -193,54 +205,105 @@ class _Copier:
         self.volume, self.index, self.model = volume, index, model
         self.sources, self.threads, self.progress = sources, threads, progress
         self.total, self.done = total, done
+        self.fds: dict[str, int] = {}
+        self.left: dict[str, int] = {}
+        self.pending: dict[Future[str], tuple[FileEntry, int, int]] = {}
 
     def run(self, files: list[FileEntry]) -> None:
-        fds = {f.name: os.open(self.sources[f.name].path, os.O_RDONLY | os.O_CLOEXEC)
-               for f in files}
+        """Copy the chunks of ``files`` not in their ``partial`` (verified by the
+        caller) and record each file done."""
+        self.fds = {f.name: os.open(self.sources[f.name].path, os.O_RDONLY | os.O_CLOEXEC)
+                    for f in files}
+        finished: queue.SimpleQueue[Future[str]] = queue.SimpleQueue()
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="stage")
         try:
-            pending = {}
-            left = {}
-            # Digests stay here until the file is complete: the index written meanwhile
-            # (when other files finish) must not carry a half-filled list.
-            digests: dict[str, list[str]] = {}
-            for f in files:
-                ranges = chunk_ranges(f.length, self.model.chunk_size)
-                digests[f.name] = [""] * len(ranges)
-                left[f.name] = len(ranges)
-                for i, (off, length) in enumerate(ranges):
-                    fut = pool.submit(_copy_chunk, self.volume, fds[f.name], f, off, length,
-                                      self.sources[f.name].path, self.model.algo)
-                    pending[fut] = (f, i, length)
-                if not ranges:
-                    self._finish(f, fds[f.name], [])
-            while pending:
-                finished, _ = wait(pending, return_when=FIRST_EXCEPTION)
-                # Record every completed chunk before raising a failed one, so a resume
-                # reuses as much as possible.
-                for fut in sorted(finished, key=lambda f: f.exception() is not None):
-                    f, i, length = pending.pop(fut)
-                    digests[f.name][i] = fut.result()  # raises the first copy error
-                    self.done += length
-                    left[f.name] -= 1
-                    if left[f.name] == 0:
-                        failpoints.hit(failpoints.WEIGHTS_AFTER_COPY)
-                        self._finish(f, fds[f.name], digests[f.name])
-                        failpoints.hit(failpoints.WEIGHTS_AFTER_FILE)
-                    if self.progress:
-                        self.progress(self.done, self.total, f.name)
+            try:
+                for f in files:
+                    ranges = chunk_ranges(f.length, self.model.chunk_size)
+                    todo = [(i, r) for i, r in enumerate(ranges) if i not in f.partial]
+                    self.left[f.name] = len(todo)
+                    for i, (off, length) in todo:
+                        fut = pool.submit(_copy_chunk, self.volume, self.fds[f.name], f,
+                                          off, length, self.sources[f.name].path,
+                                          self.model.algo)
+                        self.pending[fut] = (f, i, length)
+                        fut.add_done_callback(finished.put)
+                    if not todo:
+                        self._finish(f)
+                while self.pending:
+                    batch = [finished.get()]
+                    with contextlib.suppress(queue.Empty):
+                        while True:
+                            batch.append(finished.get_nowait())
+                    self._record(batch)
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                self._salvage()
+                raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-            for fd in fds.values():
+            for fd in self.fds.values():
                 os.close(fd)
 
-    def _finish(self, f: FileEntry, fd: int, digests: list[str]) -> None:
+    def _record(self, batch: list[Future[str]], *, salvage: bool = False) -> None:
+        """Record the chunks of ``batch`` (completed futures) in the index, finishing
+        each file whose last chunk this is; then raise the first chunk's error."""
+        error: BaseException | None = None
+        recorded, unwritten = 0, False
+        for fut in batch:
+            if fut not in self.pending:
+                continue
+            f, i, length = self.pending[fut]
+            if fut.cancelled() or fut.exception() is not None:
+                if not fut.cancelled():
+                    error = error or fut.exception()
+                del self.pending[fut]
+                continue
+            f.partial[i] = fut.result()
+            del self.pending[fut]
+            self.done += length
+            self.left[f.name] -= 1
+            recorded += 1
+            unwritten = True
+            if self.left[f.name] == 0:
+                failpoints.hit(failpoints.WEIGHTS_AFTER_COPY)
+                try:
+                    self._finish(f)  # writes the index: this file and every chunk so far
+                except LoaderError as exc:
+                    if not salvage:
+                        raise
+                    log.warning("%s", exc)  # the next stage copies that file again
+                    continue
+                unwritten = False
+                failpoints.hit(failpoints.WEIGHTS_AFTER_FILE)
+        if unwritten and not salvage:
+            write_index(self.volume, self.index)
+        for _ in range(recorded):
+            failpoints.hit(failpoints.WEIGHTS_AFTER_CHUNK)
+        if recorded and self.progress and not salvage:
+            self.progress(self.done, self.total, f.name)
+        if error is not None and not salvage:
+            raise error
+
+    def _salvage(self) -> None:
+        """After an exception: record the chunks that completed and were not recorded
+        yet (the pool is shut down, so every future is done or cancelled)."""
+        try:
+            self._record([fut for fut in list(self.pending) if fut.done()], salvage=True)
+            # Also what an exception in the middle of a batch left unwritten.
+            write_index(self.volume, self.index)
+        except Exception as exc:  # the first error is the one to report
+            log.warning("could not record the chunks copied before the stage stopped: %s",
+                        exc)
+
+    def _finish(self, f: FileEntry) -> None:
         src = self.sources[f.name]
-        st = os.fstat(fd)
+        st = os.fstat(self.fds[f.name])
         if (st.st_size, st.st_mtime_ns) != (src.size, src.mtime_ns):
             raise LoaderError(f"{src.path} changed while it was being staged; run stage "
                               "again once the source is complete")
-        f.chunks, f.done = digests, True
+        n = len(chunk_ranges(f.length, self.model.chunk_size))
+        f.chunks, f.done, f.partial = [f.partial[i] for i in range(n)], True, {}
         write_index(self.volume, self.index)
         log.info("staged %s (%s)", f.name, describe_size(f.length))
 
@@ -331,7 +394,7 @@ def repair(volume: Volume, index: Index, model: ModelEntry, sources: list[Source
                     "whole file(s) again", ", ".join(result.whole), model.label())
         again = [model.file(n) for n in result.whole]
         for f in again:
-            f.done, f.chunks = False, []
+            f.done, f.chunks, f.partial = False, [], {}
             f.source_size, f.source_mtime_ns = by_name[f.name].size, by_name[f.name].mtime_ns
         _Copier(volume, index, model, by_name, threads, progress,
                 total + sum(f.length for f in again), result.copied).run(again)
@@ -369,6 +432,43 @@ def _check_committed(volume: Volume, index: Index, model: ModelEntry,
     return StageResult(model, fixed.copied, model.size - fixed.copied,
                        time.monotonic() - started, action="repaired", repair=fixed,
                        checked=model.size, adopted=adopted)
+
+
+def _reusable(volume: Volume, model: ModelEntry, sources: dict[str, SourceFile],
+              threads: int) -> int:
+    """Before a resumed stage copies: keep what an earlier run recorded as persisted
+    (whole files and single chunks of the others) where the source file is unchanged
+    (size and mtime as planned) and the chunk still matches its checksum; forget the
+    rest so that it is copied. Returns the bytes kept."""
+    chunks: list[checksum.Chunk] = []
+    for f in model.files:
+        src = sources[f.name]
+        if (f.source_size, f.source_mtime_ns) != (src.size, src.mtime_ns):
+            f.done, f.chunks, f.partial = False, [], {}
+            f.source_size, f.source_mtime_ns = src.size, src.mtime_ns
+            continue
+        if f.done:  # verified chunk by chunk, like the chunks of an unfinished file
+            f.done, f.partial, f.chunks = False, dict(enumerate(f.chunks)), []
+        for i, (off, length) in enumerate(chunk_ranges(f.length, model.chunk_size)):
+            if i in f.partial:
+                chunks.append(checksum.Chunk(f.name, i, f.offset + off, length,
+                                             f.partial[i], model.algo))
+    bad = checksum.verify_chunks(volume, chunks, threads=threads) if chunks else []
+    for m in bad:
+        log.warning("resume: %s no longer matches its checksum; copying it again", m)
+        del model.file(m.chunk.file).partial[m.chunk.index]
+    kept = {(c.file, c.index) for c in chunks} - {(m.chunk.file, m.chunk.index) for m in bad}
+    for f in model.files:  # whole files again where every chunk was kept
+        n = len(chunk_ranges(f.length, model.chunk_size))
+        if f.partial and len(f.partial) == n:
+            f.done, f.chunks, f.partial = True, [f.partial[i] for i in range(n)], {}
+    reused = sum(c.length for c in chunks if (c.file, c.index) in kept)
+    if chunks:
+        whole = sum(1 for f in model.files if f.done)
+        log.info("resume: %s of %s verified and kept (%d whole files, %d chunks of others)",
+                 describe_size(reused), describe_size(model.size), whole,
+                 sum(len(f.partial) for f in model.files))
+    return reused
 
 
 def stage(volume: Volume, src_dir: str, *, name: str | None = None,
@@ -417,32 +517,13 @@ def stage(volume: Volume, src_dir: str, *, name: str | None = None,
     failpoints.hit(failpoints.WEIGHTS_AFTER_PLAN)
 
     by_name = {s.name: s for s in sources}
-    reuse, copy = [], []
-    for f in model.files:
-        src = by_name[f.name]
-        if f.done and (f.source_size, f.source_mtime_ns) == (src.size, src.mtime_ns):
-            reuse.append(f)
-        else:
-            f.done, f.chunks = False, []
-            f.source_size, f.source_mtime_ns = src.size, src.mtime_ns
-            copy.append(f)
     threads = threads or checksum.default_threads()
     total = model.size
-    reused = 0
-    if reuse:
-        bad = checksum.verify_chunks(volume, checksum.model_chunks(model, reuse),
-                                     threads=threads)
-        bad_files = {m.chunk.file for m in bad}
-        for f in reuse:
-            if f.name in bad_files:
-                log.warning("resume: %s no longer matches its checksums; copying it again",
-                            f.name)
-                f.done, f.chunks = False, []
-                copy.append(f)
-            else:
-                reused += f.length
-        if progress:
-            progress(reused, total, f"reused {len(reuse) - len(bad_files)} verified files")
+    reused = _reusable(volume, model, by_name, threads)
+    if progress:  # the bar appears now, not with the first chunk
+        progress(reused, total, f"reused {describe_size(reused)} verified" if reused
+                 else "copying")
+    copy = [f for f in model.files if not f.done]
     copier = _Copier(volume, index, model, by_name, threads, progress, total, reused)
     copier.run(copy)
     failpoints.hit(failpoints.WEIGHTS_BEFORE_COMMIT)

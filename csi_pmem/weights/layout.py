@@ -14,6 +14,9 @@ Why this shape:
   model is trusted only once its entry says ``committed``; that entry is written after
   its data was copied, checksummed and msynced. An interrupted stage therefore leaves
   an entry in ``staging`` state that loads refuse and a later stage resumes.
+  While a file is being copied, the index also records each chunk already persisted
+  (``partial``: chunk number to checksum), so a resumed stage verifies and keeps those
+  chunks and copies only the rest; the file's ``chunks`` list is written once all are.
 - Checksums cover 64 MiB chunks of each file, with the algorithm the model entry names
   (``algo``): ``wsum64`` (:mod:`.wsum`, written since the GPU loader checks it on the
   device at memory speed) or ``sha256`` (volumes staged before; still loaded and
@@ -79,6 +82,8 @@ class FileEntry:
     done: bool = False
     source_size: int | None = None
     source_mtime_ns: int | None = None
+    # Chunks of a file not yet done that are persisted: chunk number -> checksum.
+    partial: dict[int, str] = field(default_factory=dict)
 
     @property
     def end(self) -> int:
@@ -89,9 +94,12 @@ class FileEntry:
         return root_digest(self.chunks) if self.done else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "offset": self.offset, "length": self.length,
-                "kind": self.kind, "chunks": self.chunks, "done": self.done,
-                "source_size": self.source_size, "source_mtime_ns": self.source_mtime_ns}
+        doc = {"name": self.name, "offset": self.offset, "length": self.length,
+               "kind": self.kind, "chunks": self.chunks, "done": self.done,
+               "source_size": self.source_size, "source_mtime_ns": self.source_mtime_ns}
+        if self.partial and not self.done:  # older readers ignore it: resume per file
+            doc["partial"] = {str(i): d for i, d in sorted(self.partial.items())}
+        return doc
 
 
 @dataclass
@@ -177,10 +185,24 @@ class Index:
         raise NoModelError("the volume holds no staged model; run csi-pmem-weights stage")
 
 
+def copied_bytes(model: ModelEntry) -> int:
+    """Bytes of ``model`` the index records as persisted: done files and the chunks
+    recorded of the others."""
+    total = 0
+    for f in model.files:
+        if f.done:
+            total += f.length
+        elif f.partial:
+            ranges = chunk_ranges(f.length, model.chunk_size)
+            total += sum(ranges[i][1] for i in f.partial if i < len(ranges))
+    return total
+
+
 def _interrupted(model: ModelEntry) -> str:
     done = sum(1 for f in model.files if f.done)
     return (f"model {model.label()} is not committed: its staging was interrupted or is "
-            f"still running ({done} of {len(model.files)} files copied); run "
+            f"still running ({done} of {len(model.files)} files copied, "
+            f"{describe_size(copied_bytes(model))} of {describe_size(model.size)}); run "
             "csi-pmem-weights stage again to resume it")
 
 
@@ -214,12 +236,19 @@ def _file_from(doc: Any, where: str, hex_len: int = 64) -> FileEntry:
     if not isinstance(chunks, list) or not all(
             isinstance(c, str) and len(c) == hex_len for c in chunks):
         raise LayoutError(f"index: file {name!r} has malformed checksums")
+    partial = doc.get("partial") or {}
+    if not isinstance(partial, dict) or not all(
+            isinstance(k, str) and k.isascii() and k.isdigit()
+            and isinstance(c, str) and len(c) == hex_len
+            for k, c in partial.items()):
+        raise LayoutError(f"index: file {name!r} has malformed partial checksums")
     src_size, src_mtime = doc.get("source_size"), doc.get("source_mtime_ns")
     return FileEntry(name=name, offset=_int(doc, "offset", f"file {name!r}"),
                      length=_int(doc, "length", f"file {name!r}"), kind=kind,
                      chunks=list(chunks), done=bool(doc.get("done")),
                      source_size=src_size if isinstance(src_size, int) else None,
-                     source_mtime_ns=src_mtime if isinstance(src_mtime, int) else None)
+                     source_mtime_ns=src_mtime if isinstance(src_mtime, int) else None,
+                     partial={int(k): c for k, c in partial.items()})
 
 
 def _model_from(doc: Any) -> ModelEntry:
@@ -286,6 +315,9 @@ def validate(index: Index, volume_size: int) -> None:
             if f.done and len(f.chunks) != -(-f.length // model.chunk_size):
                 raise LayoutError(f"index: {where} has {len(f.chunks)} checksums for "
                                   f"{f.length} bytes")
+            if f.partial and max(f.partial) >= -(-f.length // model.chunk_size):
+                raise LayoutError(f"index: {where} records chunk {max(f.partial)} as "
+                                  f"copied, past its {f.length} bytes")
             if model.state == COMMITTED and not f.done:
                 raise LayoutError(f"index: {where} is part of a committed model but was "
                                   "never completely copied")
