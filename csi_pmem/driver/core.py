@@ -410,23 +410,23 @@ class Driver:
         return VolumeCondition(False, f"device {ns.device} is present")
 
     # ------------------------------------------------------------------ publish
-    def check_target(self, target: str) -> str:
+    def check_target(self, target: str, field: str = "target_path") -> str:
         """Refuse targets the driver does not manage; return the normalised path."""
         if "\x00" in target or not os.path.isabs(target) or os.path.normpath(target) != target \
                 or target == "/":
             raise InvalidArgument(
-                f"target_path {target!r} must be an absolute, normalised path other than /")
+                f"{field} {target!r} must be an absolute, normalised path other than /")
         if len(os.fsencode(target)) >= PATH_MAX \
                 or any(len(os.fsencode(part)) > NAME_MAX for part in target.split("/")):
             raise InvalidArgument(
-                f"target_path {target[:80]!r}... is too long: at most {PATH_MAX - 1} bytes, "
+                f"{field} {target[:80]!r}... is too long: at most {PATH_MAX - 1} bytes, "
                 f"{NAME_MAX} per component")
         parent = os.path.realpath(os.path.dirname(target))
         real = os.path.join(parent, os.path.basename(target))
         if os.path.commonpath([real, self._kubelet_real]) != self._kubelet_real \
                 or real == self._kubelet_real:
             raise InvalidArgument(
-                f"target_path {target!r} is outside the kubelet directory "
+                f"{field} {target!r} is outside the kubelet directory "
                 f"{self.config.kubelet_dir} that this driver publishes into (--kubelet-dir)")
         return target
 
@@ -437,12 +437,14 @@ class Driver:
     def stage(self, vid: str, path: str, access: Access) -> None:
         """NodeStageVolume: mount an fsdax file system once per node; nothing for devdax
         (each publish is self-contained) or for fsdax block volumes."""
-        path = self.check_target(path)
+        path = self.check_target(path, "staging_target_path")
         with self.inflight.hold(vid, "NodeStageVolume"):
             rec = self.recovery.restore_if_lost(self.get(vid))
             self._node(rec).stage(rec, path, access)
 
     def unstage(self, vid: str, path: str) -> None:
+        # What stage refuses, unstage refuses alike.
+        path = self.check_target(path, "staging_target_path")
         with self.inflight.hold(vid, "NodeUnstageVolume"):
             rec = self.get(vid)
             self._node(rec).unstage(rec, path)
@@ -457,8 +459,8 @@ class Driver:
             rec = self.recovery.restore_if_lost(self.get(vid))
             self._check_single_writer(rec, target, readonly, access_mode)
             # Only fsdax file systems are staged; a devdax publish ignores the path.
-            staging = self.check_target(staging) if staging and rec.device_mode == FSDAX \
-                else ""
+            staging = self.check_target(staging, "staging_target_path") \
+                if staging and rec.device_mode == FSDAX else ""
             self._node(rec).publish(rec, target, readonly, access, staging,
                                     mount_group=mount_group, pod_uid=pod_uid,
                                     access_mode=access_mode)
@@ -477,6 +479,9 @@ class Driver:
                 f"writable at {writers[0]}; unpublish it there first (or publish read-only)")
 
     def unpublish(self, vid: str, target: str) -> None:
+        # A path publish refuses is refused here too, not answered "done": nothing was
+        # ever published there, and success would tell the caller otherwise.
+        target = self.check_target(target)
         with self.inflight.hold(vid, "NodeUnpublishVolume"):
             rec = self.get(vid)
             node = self._node(rec)

@@ -26,6 +26,12 @@ from inprocess import InProcessNode, code_of, node_fixture  # noqa: F401 (the fi
 POD = "0b5e7c5e-1111-4a4a-9c9c-000000000001"
 
 
+def details_of(call, *args, **kw) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kw)
+    return info.value.code(), info.value.details()
+
+
 def test_publish_mounts_a_sealed_tmpfs_that_hands_out_the_device(node):
     vol = node.create("vol", size=64 * MiB).volume
     vid, target = vol.volume_id, node.target("pod-a")
@@ -114,10 +120,23 @@ def test_a_socket_that_went_away_is_served_again_by_a_repeated_publish(node):
                                     "{k}/pods/a//mount", "/elsewhere/mount", "{k}",
                                     "{k}/" + "x" * 256])
 def test_targets_outside_the_kubelet_directory_or_malformed_are_refused(node, target):
+    """By every node call alike: unpublish and unstage too answer INVALID_ARGUMENT, not
+    "done", for a path that publish and stage refuse (issue 45: unpublish /etc was OK)."""
     vid = node.create("vol").volume.volume_id
     target = target.format(k=node.kubelet)
-    assert code_of(node.publish, vid, target) == grpc.StatusCode.INVALID_ARGUMENT
+    for call in (node.publish, node.unpublish, node.stage, node.unstage):
+        code, details = details_of(call, vid, target)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (call.__name__, details)
+        field = "target_path" if "publish" in call.__name__ else "staging_target_path"
+        assert details.startswith(f"{field} "), details
     assert node.fake.mounts() == []
+
+
+def test_unpublish_of_etc_is_invalid_argument_naming_the_kubelet_directory(node):
+    vid = node.create("vol").volume.volume_id
+    code, details = details_of(node.unpublish, vid, "/etc")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the kubelet directory" in details and str(node.kubelet) in details
 
 
 def test_a_symlink_out_of_the_kubelet_directory_is_refused(node):

@@ -153,6 +153,55 @@ def test_restage_keeps_the_data_and_never_formats_again(node):
         grpc.StatusCode.ALREADY_EXISTS
 
 
+def test_a_volume_staged_at_one_path_is_refused_at_another(node):
+    """CSI: one staging_target_path per volume; a second would mount the same file
+    system twice (issue 45: staging at s3 while staged at s2 succeeded)."""
+    vid = node.create("fs", params=FSDAX, caps=[fs_cap()]).volume.volume_id
+    s2, s3 = node.staging("s2"), node.staging("s3")
+    node.stage(vid, s2, cap=fs_cap())
+    mounts = node.fake.mounts()
+    code, details = details_of(node.stage, vid, s3, cap=fs_cap())
+    assert code == grpc.StatusCode.ALREADY_EXISTS
+    assert f"already staged at {s2}" in details and s3 in details
+    assert node.fake.mounts() == mounts and list(node.record(vid).stages) == [s2]
+    node.stage(vid, s2, cap=fs_cap())  # the same path again: idempotent
+    node.unstage(vid, s2)
+    node.stage(vid, s3, cap=fs_cap())  # unstaged there: another path is fine now
+    assert list(node.record(vid).stages) == [s3]
+    node.unstage(vid, s3)
+
+
+def test_a_devdax_volume_stages_anywhere_it_is_asked(node):
+    """kubelet stages every volume of a driver with STAGE_UNSTAGE_VOLUME: a devdax
+    volume has nothing to stage, so every such call succeeds and mounts nothing."""
+    vid = node.create("dd").volume.volume_id
+    for path in (node.staging("a"), node.staging("b"), node.staging("a")):
+        node.stage(vid, path)
+    assert node.fake.mounts() == [] and node.record(vid).stages == {}
+    node.unstage(vid, node.staging("a"))
+
+
+def test_unstage_is_refused_while_a_pod_is_published_from_the_stage(node):
+    """Unmounting the stage under a publication would leave the pod's bind mount with
+    no file system behind the driver's back (issue 45)."""
+    vid = node.create("fs", params=FSDAX, caps=[fs_cap()]).volume.volume_id
+    staging, a, b = node.staging("fs"), node.target("pod-a"), node.target("pod-b")
+    node.stage(vid, staging, cap=fs_cap())
+    node.publish(vid, a, cap=fs_cap(), staging=staging)
+    node.publish(vid, b, cap=fs_cap(), staging=staging)
+    code, details = details_of(node.unstage, vid, staging)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"published from staging path {staging} at {a}, {b}" in details, details
+    assert node.fake.find(staging) is not None
+    assert node.record(vid).stages[staging].state == STAGED
+    node.unpublish(vid, a)
+    code, details = details_of(node.unstage, vid, staging)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and a not in details and b in details
+    node.unpublish(vid, b)
+    node.unstage(vid, staging)
+    assert node.fake.mounts() == [] and node.record(vid).stages == {}
+
+
 def test_mount_options_are_applied_and_bad_ones_blamed_on_the_class(node):
     vid = node.create("opts", params=FSDAX, caps=[fs_cap()]).volume.volume_id
     staging = node.staging("opts")
@@ -248,9 +297,9 @@ def test_a_reboot_drops_what_lost_its_mounts_and_keeps_the_data(node):
 def test_an_interrupted_stage_is_finished_or_dropped_at_restart(node):
     vid = node.create("fs", params=FSDAX, caps=[fs_cap()]).volume.volume_id
     mounted, lost = node.staging("mounted"), node.staging("lost")
-    node.stage(vid, mounted, cap=fs_cap())
     node.stage(vid, lost, cap=fs_cap())
     node.fake.umount(lost)  # as if the crash came before the mount
+    node.stage(vid, mounted, cap=fs_cap())  # the lost stage holds no mount: no refusal
     rec = node.record(vid)
     for path in (mounted, lost):
         rec.stages[path].state = STAGING

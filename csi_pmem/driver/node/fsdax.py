@@ -166,6 +166,16 @@ class FsdaxNode:
                 "cannot be mounted as a file system at the same time")
         ns = self._namespace(rec)
         rdev = self._rdev(ns.device)
+        # One staging path per volume and node (the CO ensures it, CSI NodeStageVolume):
+        # a second one would be a second mount of the same file system. A record whose
+        # mount is gone stages nothing and is no reason to refuse.
+        elsewhere = sorted(p for p in rec.stages
+                           if p != path and self._fs_mounted(p, rdev) is not None)
+        if elsewhere:
+            raise AlreadyExists(
+                f"volume {rec.id} is already staged at {elsewhere[0]}, not {path}: a volume "
+                "has one staging path per node; unstage it there before staging it "
+                "elsewhere")
         staged = rec.stages.get(path)
         if self._fs_mounted(path, rdev) is not None:
             if staged is not None and staged.state == STAGED:
@@ -252,6 +262,15 @@ class FsdaxNode:
             "why") from failure
 
     def unstage(self, rec: VolumeRecord, path: str) -> None:
+        # Unmounting the stage would leave each of these with a bind of nothing (CSI:
+        # every NodeUnpublishVolume comes before NodeUnstageVolume).
+        users = sorted(t for t, p in rec.publications.items()
+                       if p.kind == MOUNT and p.staging == path)
+        if users:
+            raise FailedPrecondition(
+                f"volume {rec.id} is still published from staging path {path} at "
+                f"{', '.join(users)}; unpublish it there (NodeUnpublishVolume) before "
+                "unstaging it")
         rdev = self._current_rdev(rec)
         if rdev is None:
             self._refuse_blind(rec, path, path in rec.stages)
