@@ -98,14 +98,28 @@ def format_bytes(n: int) -> str:
     return str(n)
 
 
+_UNITS = (("PiB", 1 << 50), ("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
+
+
 def human_size(n: int) -> str:
     """Bytes for people, in binary units with one decimal ("2.0 GiB", "250.0 MiB",
     "512 bytes"): what tables and messages show, beside the exact count where it matters
-    (:func:`describe_size`)."""
-    for unit, scale in (("PiB", 1 << 50), ("TiB", TiB), ("GiB", GiB), ("MiB", MiB),
-                        ("KiB", KiB)):
+    (:func:`describe_size`).
+
+    Never rounded up: a size a user reads as "how much there is" must not promise more
+    (issue 45: 2111832064 bytes showed as "2.0 GiB", and a 2Gi volume did not fit). A
+    size that one decimal cannot say exactly is a whole number of the next smaller
+    unit where it is one ("2014 MiB", which a user can type as 2014Mi), else cut
+    down to one decimal ("1.9 GiB").
+    """
+    for i, (unit, scale) in enumerate(_UNITS):
         if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
+            tenths, rest = divmod(abs(n) * 10, scale)
+            sign = "-" if n < 0 else ""
+            if rest and i + 1 < len(_UNITS) and n % _UNITS[i + 1][1] == 0:
+                smaller, sub = _UNITS[i + 1]
+                return f"{sign}{abs(n) // sub} {smaller}"
+            return f"{sign}{tenths // 10}.{tenths % 10} {unit}"
     return f"{n} bytes"
 
 

@@ -81,9 +81,12 @@ from csi_pmem.errors import (
 )
 from csi_pmem.gpucopy.link import ServiceLink
 from csi_pmem.sizes import (
+    DEVDAX_ALIGNS,
     describe_size,
     format_bytes,
+    human_size,
     round_down,
+    round_up,
 )
 
 log = logging.getLogger(__name__)
@@ -103,6 +106,21 @@ def promised_size(usable: int, limit: int, align: int) -> int:
     if not limit:
         return usable
     return min(usable, round_down(limit, align))
+
+
+def aligned_up(request: int, size: int, align: int) -> str:
+    """What the devdax alignment makes of ``request`` (needing ``size`` bytes of DAX
+    memory), when it makes it bigger: the part of a refusal that says why a small
+    volume does not fit ("64.0 MiB rounded up to the 1.0 GiB alignment is 1.0 GiB, ...").
+    Empty when ``request`` is a multiple of ``align`` already."""
+    aligned = round_up(request, align)
+    if aligned == request:
+        return ""
+    text = (f"{human_size(request)} rounded up to the {human_size(align)} alignment is "
+            f"{human_size(aligned)}")
+    if size > aligned:
+        text += f", which takes {describe_size(size)} of DAX memory with its metadata"
+    return text
 
 
 def utc_stamp(when: float) -> str:
@@ -336,8 +354,15 @@ class Driver:
                     f"{format_bytes(params.align)} steps); raise the limit")
             sized.append((p, size, capacity))
         fits_ever = [s for s in sized if s[1] <= s[0].size]
+        inflated = aligned_up(request, sized[0][1], params.align)
         if not fits_ever:
             biggest = max(p.size for p in usable_pools)
+            if inflated:
+                hint = "; use align 2Mi for a volume this small" \
+                    if params.align > DEVDAX_ALIGNS["2Mi"] else ""
+                raise OutOfRange(
+                    f"a volume of {describe_size(request)}: {inflated}, more than the "
+                    f"largest region on this node ({describe_size(biggest)}){hint}")
             raise OutOfRange(
                 f"a volume of {describe_size(request)} needs {describe_size(sized[0][1])} of "
                 f"DAX memory "
@@ -347,6 +372,10 @@ class Driver:
         if not fits_now:
             free = ", ".join(f"{p.name} (NUMA {p.numa_node}): {describe_size(p.largest_extent)}"
                              for p, _, _ in fits_ever)
+            if inflated:
+                raise ResourceExhausted(
+                    f"not enough free DAX memory for a volume of {describe_size(request)}: "
+                    f"{inflated}, more than is free (largest free extents: {free})")
             raise ResourceExhausted(
                 f"not enough free DAX memory for {describe_size(sized[0][1])}; largest free "
                 f"extents: {free}")

@@ -1,5 +1,7 @@
 """Sizing: the devdax overhead formula against what the kernel gave in QEMU (docs/design.md §4)."""
 
+from fractions import Fraction
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,6 +14,7 @@ from csi_pmem.sizes import (
     allocation_for,
     devdax_usable,
     format_bytes,
+    human_size,
     parse_quantity,
 )
 
@@ -56,6 +59,28 @@ def test_parse_quantity_refuses_with_the_value_and_a_good_example(text, hint):
 def test_format_bytes():
     assert [format_bytes(n) for n in (2 * GiB, 250 * MiB, 4097, 0)] == ["2Gi", "250Mi", "4097",
                                                                         "0"]
+
+
+@pytest.mark.parametrize("n, shown", [
+    (2 * GiB, "2.0 GiB"), (3 * GiB // 2, "1.5 GiB"), (250 * MiB, "250.0 MiB"),
+    (512, "512 bytes"), (1024, "1.0 KiB"),
+    # issue 45: capacity's LARGEST VOLUME, then --size 2Gi was OUT_OF_RANGE
+    (2111832064, "2014 MiB"),
+    (2 * GiB - 1, "1.9 GiB"), (GiB - 1, "1023.9 MiB"), (10**9, "953.6 MiB"),
+    (4 * MiB + 224, "4.0 MiB"), (-2111832064, "-2014 MiB"),
+])
+def test_human_size_never_rounds_up(n, shown):
+    assert human_size(n) == shown
+
+
+@given(st.integers(min_value=0, max_value=1 << 52))
+def test_human_size_never_shows_more_than_there_is(n):
+    number, unit = human_size(n).split()
+    scale = {"bytes": 1, "KiB": 1 << 10, "MiB": MiB, "GiB": GiB, "TiB": 1 << 40,
+             "PiB": 1 << 50}[unit]
+    shown = Fraction(number) * scale
+    assert shown <= n  # exact when whole ("2014 MiB"), else cut down, by under 0.1 unit
+    assert "." not in number or n < shown + scale / 10
 
 
 def test_allocation_rejects_non_positive():

@@ -8,10 +8,11 @@ are the same for ext4 and xfs and for the ndctl and emulated back ends.
 - Probing uses ``blkid -p`` (low-level superblock probing, no cache): exit 2 means no
   signature at all, the only state in which the driver formats.
 - ext4 is made with 4 KiB blocks (DAX needs the block size to equal the page size, and
-  mke2fs picks 1 KiB blocks for small "floppy"/"small" file systems). xfs is made
-  without reflink, which older kernels refuse to combine with DAX. Neither discards:
-  a new volume was zeroed already, and discarding an emulated loop device would punch
-  holes in its reserved backing file.
+  mke2fs picks 1 KiB blocks for small "floppy"/"small" file systems) and no root
+  reserve (``-m 0``: the default 5% is for root only, and a pod's user could not use
+  it). xfs is made without reflink, which older kernels refuse to combine with DAX.
+  Neither discards: a new volume was zeroed already, and discarding an emulated loop
+  device would punch holes in its reserved backing file.
 - xfs needs a device of at least 300 MiB (:data:`MIN_BYTES`; ``mkfs.xfs`` refuses
   smaller ones): :func:`make` says so before running it, and a mkfs that fails for any
   other reason is FAILED_PRECONDITION with mkfs's own words, never an INTERNAL error
@@ -37,7 +38,7 @@ MKFS_TIMEOUT = 600.0
 PROBE_TIMEOUT = 30.0
 DAX_OPTION = "dax"
 _MKFS = {
-    "ext4": ["mkfs.ext4", "-F", "-q", "-b", "4096", "-E", "nodiscard"],
+    "ext4": ["mkfs.ext4", "-F", "-q", "-b", "4096", "-m", "0", "-E", "nodiscard"],
     "xfs": ["mkfs.xfs", "-f", "-q", "-K", "-m", "reflink=0"],
 }
 _PACKAGE = {"ext4": "e2fsprogs", "xfs": "xfsprogs"}
