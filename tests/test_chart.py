@@ -946,6 +946,49 @@ def test_chart_readme_lists_every_value_with_its_default() -> None:
         assert rows[key] == want, (key, rows[key], want)
 
 
+def sh_commands(markdown: str) -> list[str]:
+    """The commands of every ```sh block, continuation lines joined, comments dropped."""
+    out: list[str] = []
+    for block in re.findall(r"^```sh\n(.*?)^```", markdown, flags=re.M | re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        out += [" ".join(line.split()) for line in joined.splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    return out
+
+
+def test_every_install_example_makes_the_namespace_and_sets_the_image_as_readme() -> None:
+    """The install commands of the chart's README and docs/install.md are README.md's:
+    the namespace made and labelled enforce=privileged first (the node plugin is a
+    privileged pod, which a baseline namespace rejects), then helm install with the
+    image override (there is no public image). Issue 45: the chart README used
+    --create-namespace without the label, and no image for the emulated example."""
+    readme = (REPO / "README.md").read_text().split("\n## Installing on Kubernetes\n", 1)[1]
+    commands = sh_commands(readme.split("\n## ", 1)[0])
+    setup = [c for c in commands if c.startswith(("kubectl create namespace",
+                                                  "kubectl label namespace"))]
+    assert setup == [f"kubectl create namespace {NAMESPACE}",
+                     f"kubectl label namespace {NAMESPACE} "
+                     "pod-security.kubernetes.io/enforce=privileged"], commands
+    install = next(c for c in commands if c.startswith("helm install"))
+    wanted = shlex.split(install)
+    assert "--create-namespace" not in wanted
+    for doc in (CHART / "README.md", REPO / "docs" / "install.md"):
+        cmds = sh_commands(doc.read_text())
+        helms = [i for i, c in enumerate(cmds) if c.startswith("helm install")]
+        assert helms, f"{doc.name}: no helm install example"
+        first = helms[0]
+        assert cmds[first - 2:first] == setup, (doc.name, cmds[:first])
+        for i in helms:
+            argv = shlex.split(cmds[i])
+            assert "--create-namespace" not in argv, (doc.name, cmds[i])
+            ns = [argv[j + 1] for j, a in enumerate(argv) if a in ("-n", "--namespace")]
+            assert ns == [NAMESPACE], (doc.name, cmds[i])
+            image = [a for a in argv if a.startswith("driver.image.repository=")]
+            assert image == [a for a in wanted if a.startswith("driver.image.repository=")], \
+                (doc.name, cmds[i])
+    assert sh_commands((CHART / "README.md").read_text())[2] == install
+
+
 def test_notes_render_with_next_steps(helm: str, tmp_path: Path) -> None:
     """NOTES.txt renders only on install; render it through a copy of the chart."""
     chart = tmp_path / "csi-pmem"
