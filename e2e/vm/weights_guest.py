@@ -74,6 +74,65 @@ def assert_loads_bit_exact(volume: str, model: Path, name: str | None = None) ->
     return len(ref)
 
 
+def write_every_byte(arrays: dict[str, Any]) -> int:
+    """Writes 0xA5 into every byte of every array and returns the bytes written; in a
+    function of its own so that no array (a loop variable) outlives it and keeps the
+    volume mapped."""
+    total = 0
+    for arr in arrays.values():
+        arr.reshape(-1).view("u1")[:] = 0xA5
+        total += arr.nbytes
+    return total
+
+
+def cpu_writes(volume: str, model: Path, name: str) -> dict[str, Any]:
+    """What a write into a CPU-loaded array does here, with the real kernel.
+
+    A devdax volume (a device, or ``dax.sock``) cannot be mapped copy-on-write, so
+    ``writes="private"`` is refused with that reason, and ``writes="copy"`` gives
+    writable copies. Any other volume (an fsdax image on a ``-o dax`` file system) gets
+    private views: every byte written lands in this process's pages. Either way a
+    fresh load afterwards is bit-exact: no write reached the volume.
+    """
+    import mmap
+    import stat
+
+    from csi_pmem.weights.errors import LoaderError
+
+    devdax = os.path.exists(os.path.join(volume, "dax.sock")) or \
+        stat.S_ISCHR(os.stat(volume).st_mode)
+    with open_volume(volume) as v:
+        reason = v.private_refused_reason
+    fact: dict[str, Any] = {"devdax": devdax, "private_refused_reason": reason}
+    if devdax:
+        assert reason and "devdax" in reason, reason
+        if stat.S_ISCHR(os.stat(volume).st_mode):
+            fd = os.open(volume, os.O_RDONLY)
+            try:
+                mmap.mmap(fd, 2 << 20, flags=mmap.MAP_PRIVATE,
+                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                fact["kernel_map_private"] = "allowed"
+            except OSError as exc:
+                fact["kernel_map_private"] = f"refused: {exc}"
+            finally:
+                os.close(fd)
+            assert fact["kernel_map_private"].startswith("refused"), fact
+        try:
+            load_numpy(volume, model=name, writes="private")
+            raise AssertionError("writes='private' on devdax was not refused")
+        except LoaderError as exc:
+            fact["private_load"] = str(exc)
+            assert "devdax" in str(exc), exc
+        mode = "copy"
+    else:
+        assert reason is None, reason
+        mode = "private"
+    fact["written"] = write_every_byte(load_numpy(volume, model=name, writes=mode))
+    fact["mode"] = mode
+    fact["bit_exact_after_writes"] = assert_loads_bit_exact(volume, model, name)
+    return fact
+
+
 def released(volume: str, timeout: float = 60) -> None:
     """Wait until this process maps no file below ``volume`` (a published target).
 
@@ -136,6 +195,7 @@ def workflow(volume: str, model: Path, work: Path, *, name: str = "m") -> dict[s
     cli("export", volume, export, "--model", name, "-q")
     assert lm.tree_digest(export) == lm.tree_digest(model), "export differs from the source"
     fact["tensors"] = assert_loads_bit_exact(volume, model, name)
+    fact["cpu_writes"] = cpu_writes(volume, model, name)
     again = cli("stage", model, volume, "--name", name, "-q", "-o", "table").stdout
     assert "already staged" in again and "nothing copied" in again, again
     off = first_weight_offset(volume, name)
