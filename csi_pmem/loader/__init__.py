@@ -18,8 +18,6 @@ and adopts the weights (:mod:`.transformers`); vLLM gets ``--load-format csi-pme
 tokenizer files to a directory (docs/inference.md).
 """
 
-import logging
-
 from csi_pmem.loader.api import (
     LoadHandle,
     default_loader,
@@ -43,43 +41,6 @@ from csi_pmem.weights.errors import (
     VolumeTooSmallError,
 )
 from csi_pmem.weights.volume import Volume, open_volume
-
-
-class _LastResort(logging.Handler):
-    """What Python's handler of last resort does for the loader's records while the
-    program configures no logging (WARNING and up, the bare message on stderr), except
-    for an error the caller also gets: an ERROR record that carries the exception a
-    call raises (``load_numpy``'s ChecksumError, a failed load) would print it twice,
-    once here and once in the traceback. Where logging is configured (the root logger
-    or an ancestor has handlers: ``csi-pmem-weights --log-level``, vLLM's, an app's
-    ``basicConfig``), this does nothing and those handlers get every record as before.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if _configured(record.name, self):
-            return
-        args = record.args if isinstance(record.args, tuple) else ()
-        if record.levelno >= logging.ERROR and any(isinstance(a, BaseException)
-                                                   for a in args):
-            return  # raised to the caller, whose traceback shows it
-        last = logging.lastResort
-        if last is not None and record.levelno >= last.level:
-            last.handle(record)
-
-
-def _configured(name: str, ours: logging.Handler) -> bool:
-    logger: logging.Logger | None = logging.getLogger(name)
-    while logger is not None:
-        if any(h is not ours for h in logger.handlers):
-            return True
-        logger = logger.parent if logger.propagate else None
-    return False
-
-
-logging.getLogger(__name__).addHandler(_LastResort())
 
 __all__ = [
     "AlignmentError", "ChecksumError", "LayoutError", "LoadHandle", "LoaderError",

@@ -139,7 +139,9 @@ class _Verification:
                 f"{view.volume.source} do not match their staged checksums, first: "
                 f"{self.bad[0]}. The volume copy is damaged; stage the model again")
         if exc is not None:
-            log.error("%s", exc)
+            # DEBUG: the caller gets it from handle.verified (or result()); logged at
+            # ERROR too, an unconfigured program would print it twice.
+            log.debug("verification failed: %s", exc)
             self.handle.verified.set_exception(exc)
         else:
             log.debug("verified in %.3f s", time.monotonic() - self.started)
@@ -303,7 +305,7 @@ def start_load(volume: Volume | ModelView | str | os.PathLike[str], device: str 
                      len(handle.tensors), handle.nbytes / 1e9, device, handle.seconds,
                      handle.gbps or 0.0, path)
         except BaseException as exc:
-            log.error("loading to %s failed: %s", device, exc)
+            log.debug("loading to %s failed: %s", device, exc)  # raised to the caller
             handle._fail(exc)
 
     threading.Thread(target=run, name="load", daemon=True).start()

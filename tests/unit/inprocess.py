@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 
-from csi_pmem.csi import csi_pb2
+from csi_pmem.csi import csi_pb2, csi_pb2_grpc
 from csi_pmem.daxclient import map_volume
 from csi_pmem.driver.backends.base import Backend
 from csi_pmem.driver.backends.emulated import EmulatedBackend
@@ -236,3 +237,22 @@ def node_fixture():
     n = InProcessNode()
     yield n
     n.close()
+
+
+@pytest.fixture(name="served")
+def served_fixture():
+    """An in-process node whose servicers answer on a unix socket, as `make run`'s do
+    (``node.endpoint`` is the address for the command line)."""
+    node = InProcessNode()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    csi_pb2_grpc.add_IdentityServicer_to_server(
+        IdentityServicer(DRIVER_NAME, node.backend.probe), server)
+    csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(node.driver), server)
+    csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(node.driver), server)
+    sock = node.base / "csi.sock"
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    node.endpoint = f"unix://{sock}"
+    yield node
+    server.stop(None)
+    node.close()

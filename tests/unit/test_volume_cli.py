@@ -14,44 +14,20 @@ import signal
 import socket
 import subprocess
 import sys
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
 import yaml
 
 from csi_pmem import cli, cmdline
 from csi_pmem.client import output as volume_output
 from csi_pmem.cmdline import Exit
-from csi_pmem.csi import csi_pb2_grpc
 from csi_pmem.driver import config
-from csi_pmem.driver.servicers.controller import ControllerServicer
-from csi_pmem.driver.servicers.identity import IdentityServicer
-from csi_pmem.driver.servicers.node import NodeServicer
 from csi_pmem.loader import cli as weights_cli
 
-from inprocess import DRIVER_NAME, InProcessNode
+from inprocess import DRIVER_NAME, served_fixture  # noqa: F401 (fixture)
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
-
-
-@pytest.fixture
-def served():
-    """An in-process node whose servicers answer on a unix socket, as `make run`'s do."""
-    node = InProcessNode()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    csi_pb2_grpc.add_IdentityServicer_to_server(
-        IdentityServicer(DRIVER_NAME, node.backend.probe), server)
-    csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(node.driver), server)
-    csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(node.driver), server)
-    sock = node.base / "csi.sock"
-    server.add_insecure_port(f"unix://{sock}")
-    server.start()
-    node.endpoint = f"unix://{sock}"
-    yield node
-    server.stop(None)
-    node.close()
 
 
 def volume(node, capsys, *args: str, tty: bool = False,
