@@ -21,13 +21,14 @@ from test_volume_cli import volume
 
 from csi_pmem import numa
 from csi_pmem.cmdline import Exit
+from csi_pmem.csi import csi_pb2
 from csi_pmem.driver.host import filesystems
 from csi_pmem.driver.servicers.status import status_for
 from csi_pmem.errors import CommandError, FailedPrecondition, InvalidArgument
 from csi_pmem.loader import cli as weights_cli
 
-from conftest import MiB
-from inprocess import served_fixture  # noqa: F401 (the served fixture)
+from conftest import MiB, mount_cap
+from inprocess import node_fixture, served_fixture  # noqa: F401 (fixtures)
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 XFS_REFUSES = ("Filesystem must be larger than 300MB.\nUsage: mkfs.xfs\n"
@@ -258,3 +259,22 @@ def test_an_unreadable_cpulist_is_said_once_per_node(tmp_path, caplog):
     assert len(warned) == 1 and "cannot read its cpulist" in warned[0].getMessage()
     assert len(caplog.records) == 9  # the rest at DEBUG
     assert os.sched_getaffinity(0)  # and every call still answered
+
+
+def test_create_volume_refuses_xfs_below_its_minimum_over_grpc(node):
+    """The CO's path (no CLI in front): CreateVolume itself refuses an fsdax volume whose
+    mount capability asks for xfs below 300 MiB, before anything is carved."""
+    def request(size: int, fs: str) -> csi_pb2.CreateVolumeRequest:
+        cap = mount_cap()
+        cap.mount.fs_type = fs
+        return csi_pb2.CreateVolumeRequest(
+            name=f"x-{fs}-{size}", volume_capabilities=[cap],
+            parameters={"deviceMode": "fsdax"},
+            capacity_range=csi_pb2.CapacityRange(required_bytes=size))
+    with pytest.raises(grpc.RpcError) as info:
+        node.controller.CreateVolume(request(256 * MiB, "xfs"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "xfs needs a volume of at least 300.0 MiB" in info.value.details()
+    assert not node.controller.ListVolumes(csi_pb2.ListVolumesRequest()).entries
+    node.controller.CreateVolume(request(256 * MiB, "ext4"))  # ext4 fits there
+    node.controller.CreateVolume(request(300 * MiB, "xfs"))

@@ -10,7 +10,8 @@ from __future__ import annotations
 from csi_pmem.csi import csi_pb2, csi_pb2_grpc
 from csi_pmem.driver import params as sc_params
 from csi_pmem.driver.core import Driver, is_volume_id
-from csi_pmem.driver.servicers.capabilities import problem, require_valid
+from csi_pmem.driver.host import filesystems
+from csi_pmem.driver.servicers.capabilities import fs_type, problem, require_valid
 from csi_pmem.driver.servicers.rpc import require, rpc
 from csi_pmem.driver.state import VolumeRecord
 from csi_pmem.errors import Aborted, InvalidArgument, ResourceExhausted
@@ -58,6 +59,15 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
                 f"the requested topology does not include this node "
                 f"({self.topology_key}={self.driver.config.node_id}); volumes are node-local")
         rng = request.capacity_range
+        if params.device_mode == sc_params.FSDAX:
+            # mkfs runs only at NodeStageVolume; a size its file system refuses is the
+            # request's fault, so say it now rather than fail the pod's start.
+            asked = rng.required_bytes or rng.limit_bytes
+            for cap in request.volume_capabilities:
+                why = cap.HasField("mount") and asked and filesystems.too_small(
+                    fs_type(cap), asked)
+                if why:
+                    raise InvalidArgument(f"volume_capabilities: {why}")
         rec = self.driver.create_volume(request.name, rng.required_bytes, rng.limit_bytes, params)
         return csi_pb2.CreateVolumeResponse(volume=self._volume(rec))
 
