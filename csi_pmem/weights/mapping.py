@@ -189,17 +189,24 @@ def large_pages(fd: int, path: str | None = None, *,
         return True
     if not stat.S_ISREG(st.st_mode):
         return False
-    if mounts is None:
-        try:
-            mounts = mountinfo(MOUNTINFO)
-        except OSError:
-            return False
-    mount = mount_of(os.path.realpath(path) if path else None, mounts,
-                     f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    mount = _file_mount(st, path, mounts)
     if mount is None:
         return False
     return mount.fstype == "hugetlbfs" or (
         mount.fstype == "tmpfs" and bool(HUGE_TMPFS_OPTIONS & mount.options))
+
+
+def _file_mount(st: os.stat_result, path: str | None,
+                mounts: Iterable[MountInfo] | None) -> MountInfo | None:
+    """The mount holding the file ``st`` describes (at ``path``, when known), or None
+    when the mount table cannot be read or names none."""
+    if mounts is None:
+        try:
+            mounts = mountinfo(MOUNTINFO)
+        except OSError:
+            return None
+    return mount_of(os.path.realpath(path) if path else None, mounts,
+                    f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
 
 
 def private_refusal(fd: int, path: str | None = None, *,
@@ -221,13 +228,7 @@ def private_refusal(fd: int, path: str | None = None, *,
         return "not a file or block device"
     if stat.S_ISBLK(st.st_mode):
         return None
-    if mounts is None:
-        try:
-            mounts = mountinfo(MOUNTINFO)
-        except OSError:
-            return None
-    mount = mount_of(os.path.realpath(path) if path else None, mounts,
-                     f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    mount = _file_mount(st, path, mounts)
     if mount is not None and mount.fstype == "hugetlbfs":
         return ("a hugetlbfs file: a private copy of a page needs a free huge page, "
                 "and a write without one dies of SIGBUS")
