@@ -198,8 +198,9 @@ class Driver:
         hold it until then); space a scrub holds counts as free, since a create takes
         it back at once (csi_pmem.driver.erasing.scrub).
         """
-        pools = self._pools_for(params)
-        held = {p.name: self.scrubber.held(p.name) for p in pools}
+        # One reading of both: a scrub carving (or destroying) its scratch namespaces
+        # between them would count that space twice.
+        pools, held = self.scrubber.pools_and_held(lambda: self._pools_for(params))
         available = sum(self._usable_in(p.free + sum(held[p.name]), p, params.align)
                         for p in pools)
         largest = max((self._usable_in(max([p.largest_extent, *held[p.name]]), p, params.align)

@@ -28,7 +28,11 @@ there, so a scrub must never be why a CreateVolume fails. CreateVolume enters
 chunk and the scratch namespaces are destroyed) and keeps new ones from starting; the
 create then takes the dirty path (it zeroes its own namespace) and the scrub is queued
 again when the last create leaves. GetCapacity counts space held by a scrub as free:
-a create would get it.
+a create would get it. It reads the listing and the held space together
+(:meth:`Scrubber.pools_and_held`): a scrub changes the two one after the other (it
+carves a scratch namespace, then records it; it destroys them, then forgets them), and
+a listing from before a change added to what was held after it counted the same space
+twice (issue 45 item 6: GetCapacity over-reported while a scrub carved).
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ class Scrubber:
         self._lock = threading.Lock()
         self._creates = 0
         self._held: dict[str, list[Namespace]] = {}
+        # Odd while a scrub changes held space (the namespaces and _held disagree);
+        # pools_and_held() waits for even and reads again when it moved meanwhile.
+        self._changes = 0
+        self._settled = threading.Condition(self._lock)
 
     # ------------------------------------------------------------------ creates
     @contextmanager
@@ -100,6 +108,34 @@ class Scrubber:
         """Sizes of the scratch namespaces a running scrub holds in ``pool``."""
         with self._lock:
             return [ns.size for ns in self._held.get(pool, [])]
+
+    def pools_and_held(self, list_pools: Callable[[], list[Pool]]
+                       ) -> tuple[list[Pool], dict[str, list[int]]]:
+        """``list_pools()`` and :meth:`held` of each of them, as of one moment between
+        the scrubs' changes: never a listing from before a scratch namespace was carved
+        (or destroyed) with the held space from after it."""
+        while True:
+            with self._settled:
+                while self._changes % 2:
+                    self._settled.wait()
+                seen = self._changes
+            pools = list_pools()
+            with self._lock:
+                if self._changes == seen:
+                    return pools, {p.name: [ns.size for ns in self._held.get(p.name, [])]
+                                   for p in pools}
+
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Around a change of held space: the namespaces and ``_held`` together."""
+        with self._lock:
+            self._changes += 1
+        try:
+            yield
+        finally:
+            with self._settled:
+                self._changes += 1
+                self._settled.notify_all()
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self, pool: str, rerun: bool = False) -> None:
@@ -143,9 +179,10 @@ class Scrubber:
                     name = scratch_name(pool_name, len(made))
                     self.ledger.set_scrub(pool_name, [*(ns.name for ns in made), name])
                     failpoints.hit(failpoints.SCRUB_AFTER_RECORD)
-                    made.append(self.backend.create_scratch(name, pool_name, size))
-                    with self._lock:
-                        self._held[pool_name] = list(made)
+                    with self._changing():
+                        made.append(self.backend.create_scratch(name, pool_name, size))
+                        with self._lock:
+                            self._held[pool_name] = list(made)
                     pool = self._pool(pool_name) or pool
             except BaseException:
                 self._teardown(pool_name, made)
@@ -188,10 +225,11 @@ class Scrubber:
 
     def _teardown(self, pool_name: str, made: list[Namespace]) -> None:
         """Destroy the scratch namespaces and clear the intent (node lock held)."""
-        for ns in made:
-            self.backend.destroy(ns.name)
-        with self._lock:
-            self._held.pop(pool_name, None)
+        with self._changing():
+            for ns in made:
+                self.backend.destroy(ns.name)
+            with self._lock:
+                self._held.pop(pool_name, None)
         self.ledger.set_scrub(pool_name, [])
 
     def _pool(self, name: str) -> Pool | None:
