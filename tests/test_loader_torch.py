@@ -10,6 +10,7 @@ import pytest
 
 from csi_pmem.loader import ChecksumError, load_safetensors, open_volume, stage, start_load
 from csi_pmem.weights.layout import read_index
+from csi_pmem.weights.mapping import buffer_address
 
 import loader_models as lm
 
@@ -54,11 +55,14 @@ def test_cpu_views_match_safetensors(models, kind):
     assert_same(got, reference(models / kind))
 
 
-def test_cpu_views_share_the_mapping_and_outlive_close(models):
+@pytest.mark.parametrize("writes", ["readonly", "private"])
+def test_cpu_views_share_the_mapping_and_outlive_close(models, writes):
+    """readonly views lie in the shared mapping, the default (private) ones in the
+    copy-on-write mapping of the same file; neither is unmapped by close()."""
     vol = lm.staged_volume(models / "np", models / "v")
     with open_volume(vol) as v:
-        got = load_safetensors(v, "cpu")
-        base = v.address
+        got = load_safetensors(v, "cpu", writes=writes)
+        base = v.address if writes == "readonly" else buffer_address(v.private_mapping())
         t = got["f32"]
         assert base <= t.data_ptr() < base + v.size
     # close() must not unmap under live tensors (a use-after-unmap would crash here).
