@@ -120,7 +120,7 @@ def aligned_up(request: int, size: int, align: int) -> str:
             f"{human_size(aligned)}")
     if size > aligned:
         text += f", which takes {describe_size(size)} of DAX memory with its metadata"
-    return text
+    return f"{text} (parameter align: {format_bytes(align)})"
 
 
 def utc_stamp(when: float) -> str:
