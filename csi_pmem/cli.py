@@ -201,19 +201,6 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fs-type", default="", help="fsdax file system: ext4 (default) or xfs")
 
 
-def check_fs_size(args: argparse.Namespace) -> None:
-    """Refuse ``create --fs-type xfs`` of an fsdax volume below xfs's minimum before
-    anything is sent: the volume would be made, and only its stage would fail."""
-    if getattr(args, "action", None) != "create" or getattr(args, "block", False):
-        return
-    from csi_pmem.driver.host.filesystems import too_small
-
-    if dict(args.param).get("deviceMode") == "fsdax":
-        why = too_small(args.fs_type or "ext4", args.size)
-        if why:
-            raise UsageError(f"--size: {why}")
-
-
 def exit_code(exc: BaseException) -> Exit:
     """The one table from what went wrong to the exit status (:data:`cmdline.MEANING`
     says what each status tells a script; ``--help`` lists them)."""
@@ -260,7 +247,6 @@ def _run(args: argparse.Namespace) -> int:
         from csi_pmem.daxclient import DaxSocketError
 
         args.endpoint = endpoint(args)
-        check_fs_size(args)
         fmt = args.output or volume_output.default_format()
         volume_output.check(args.action, fmt)
         try:

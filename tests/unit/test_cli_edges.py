@@ -52,8 +52,9 @@ class _Mkfs:
 def test_xfs_below_its_minimum_is_refused_at_create(served, capsys):
     code, _, err = volume(served, capsys, "create", "x1", "--size", "256Mi",
                           "-p", "deviceMode=fsdax", "--fs-type", "xfs")
-    assert code == Exit.USAGE, err
-    assert "xfs needs a volume of at least 300.0 MiB" in err and "use ext4" in err, err
+    assert code == Exit.REFUSED, err  # CreateVolume's INVALID_ARGUMENT, one rule
+    assert "INVALID_ARGUMENT" in err and "xfs needs a volume of at least 300.0 MiB" in err, err
+    assert "use ext4" in err, err
     assert volume(served, capsys, "list", "-o", "name")[1].strip() == ""  # none made
     code, _, err = volume(served, capsys, "create", "x2", "--size", "300Mi",
                           "-p", "deviceMode=fsdax", "--fs-type", "xfs", "-o", "name")
