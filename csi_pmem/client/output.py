@@ -170,7 +170,25 @@ def _info(doc: dict[str, Any]) -> str:
         ("node", node.get("node_id", "-")),
         ("max volumes", node.get("max_volumes_per_node", "-")),
         ("topology", ", ".join(f"{k}={v}" for k, v in sorted(segments.items())) or "-"),
-    ])
+    ]) + _pools(plugin.get("manifest", {}))
+
+
+POOL_HEADER = ("POOL", "NUMA", "SIZE", "FREE", "PAGES", "PLACEMENT", "MEDIA")
+
+
+def _pools(manifest: dict[str, str]) -> str:
+    """The pools GetPluginInfo's manifest names (``pool.<name>``: ``numa=0 size=...``,
+    csi_pmem.driver.servicers.identity), as a table below the fields; nothing for a
+    driver that names none."""
+    rows = []
+    for key, value in sorted(manifest.items()):
+        if not key.startswith("pool."):
+            continue
+        words = dict(w.partition("=")[::2] for w in value.split())
+        rows.append([key[len("pool."):], words.get("numa", "-"), words.get("size", "-"),
+                     words.get("free", "-"), words.get("pages", "-"),
+                     words.get("placement", "-"), words.get("media", "-")])
+    return "\n\n" + columns(POOL_HEADER, rows) if rows else ""
 
 
 _TABLES: dict[str, Callable[[dict[str, Any]], str]] = {

@@ -55,6 +55,10 @@ DEFAULTS = {
     "daxctl": "daxctl",
     "cxl": "cxl",
     "dax_setup": "off",
+    "memory_pools": "0=50%,1=50%",
+    "memory_root": "",
+    "memory_fs": "tmpfs",
+    "memory_pages": "2M",
 }
 HELP = {
     "endpoint": "gRPC endpoint: unix:///path/csi.sock or tcp://127.0.0.1:PORT",
@@ -62,8 +66,9 @@ HELP = {
     "driver_name": "CSI driver name; also the topology key prefix (<name>/node)",
     "state_dir": "directory for per-volume state records",
     "backend": "ndctl (NVDIMM and CXL persistent memory regions), daxctl (dynamic dax "
-               "regions: soft-reserved and CXL volatile memory), both as ndctl,daxctl, or "
-               "emulated (file-backed pools)",
+               "regions: soft-reserved and CXL volatile memory), both as ndctl,daxctl, "
+               "memory (DRAM pools per NUMA node, each a file system the driver mounts "
+               "bound to its node) or emulated (file-backed pools, for tests)",
     "metrics_address": "host:port to serve Prometheus /metrics on (empty: off)",
     "log_format": "text or json",
     "log_level": "debug, info, warning or error",
@@ -108,15 +113,27 @@ HELP = {
                  "that has none (cxl create-region, ram and pmem), hands the boot-time "
                  "device (daxN.0) back to device-dax, offlining its memory, and shrinks "
                  "it so the region can be carved",
+    "memory_pools": "memory back end: a pool per NUMA node as NUMA=SIZE or NUMA=PERCENT% "
+                    "of that node's MemTotal, e.g. 0=50%,1=50% or 0=64Gi,1=64Gi "
+                    "(rounded down to 16Mi); a node the host lacks, or a pool bigger than "
+                    "its node, stops the driver at start",
+    "memory_root": "memory back end: the directory under which each pool's file system "
+                   "is mounted as region<N> (default: <state-dir>/memory)",
+    "memory_fs": "memory back end: tmpfs (a tmpfs per pool mounted mpol=bind:N, pages "
+                 "4k or transparent 2M) or hugetlbfs (the node's reserved huge pages, "
+                 "2M or 1G, allocated with the driver's thread bound to the node)",
+    "memory_pages": "memory back end: the page size of the pools: 2M (the default), 4k "
+                    "(tmpfs only) or 1G (hugetlbfs only)",
 }
 # Several kinds of pool on one node: ndctl and daxctl together (composite back end).
-BACKENDS = ("ndctl", "daxctl", "ndctl,daxctl", "emulated")
+BACKENDS = ("ndctl", "daxctl", "ndctl,daxctl", "memory", "emulated")
 CHOICES = {"backend": BACKENDS, "log_format": ("text", "json"),
            "emulated_device": ("file", "loop"), "emulated_free_space": ("fresh", "reuse"),
            "erase_verify": ("sampled", "full", "off"), "scrub": ("auto", "off"),
            "log_level": ("debug", "info", "warning", "error"), "device_node": ("off", "on"),
            "emulated_media": ("auto", "persistent", "volatile"),
-           "dax_setup": ("off", "reconfigure")}
+           "dax_setup": ("off", "reconfigure"), "memory_fs": ("tmpfs", "hugetlbfs"),
+           "memory_pages": ("4k", "2M", "1G")}
 
 
 @dataclass(frozen=True)
@@ -149,6 +166,10 @@ class ServeConfig:
     daxctl: str = "daxctl"
     cxl: str = "cxl"
     dax_setup: str = "off"
+    memory_pools: str = "0=50%,1=50%"
+    memory_root: str = ""
+    memory_fs: str = "tmpfs"
+    memory_pages: str = "2M"
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -220,7 +241,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     for key, default in DEFAULTS.items():
         parser.add_argument(flag(key), dest=key, default=None, type=TYPES.get(key, str),
                             choices=CHOICES.get(key),
-                            help=f"{HELP[key]} [env {env_name(key)}, default {default!r}]")
+                            help=f"{HELP[key]} [env {env_name(key)}, default {default!r}]"
+                            .replace("%", "%%"))  # argparse %-formats help texts
 
 
 def _check(key: str) -> Callable[[str], Any]:
@@ -239,16 +261,27 @@ def from_args(ns: argparse.Namespace,
     values = {k: from_env(getattr(ns, k, None), env_name(k), DEFAULTS[k], _check(k))
               for k in DEFAULTS}
     for key, check in (checks or {}).items():
-        try:
-            check(values[key])
-        except (InvalidArgument, ValueError) as exc:
-            given = getattr(ns, key, None) is not None or env_name(key) not in os.environ
-            where = flag(key) if given else f"environment variable {env_name(key)}"
-            raise UsageError(f"{where}: {exc}") from None
+        check_value(ns, key, values[key], check)
     values["node_id"] = values["node_id"] or socket.gethostname()
     values["emulated_root"] = values["emulated_root"] or os.path.join(values["state_dir"],
                                                                       "emulated")
+    values["memory_root"] = values["memory_root"] or os.path.join(values["state_dir"],
+                                                                  "memory")
     return ServeConfig(**values)
+
+
+def check_value(ns: argparse.Namespace, key: str, value: Any,
+                check: Callable[[Any], object]) -> Any:
+    """``check(value)``; its InvalidArgument or ValueError becomes a
+    :class:`~csi_pmem.cmdline.UsageError` naming the flag or the variable the value
+    came from. Also for checks that need the node (the memory pools' fit), made once
+    the back end is known."""
+    try:
+        return check(value)
+    except (InvalidArgument, ValueError) as exc:
+        given = getattr(ns, key, None) is not None or env_name(key) not in os.environ
+        where = flag(key) if given else f"environment variable {env_name(key)}"
+        raise UsageError(f"{where}: {exc}") from None
 
 
 def grpc_address(endpoint: str) -> tuple[str, str | None]:

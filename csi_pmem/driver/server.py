@@ -61,6 +61,13 @@ def _one_backend(cfg: ServeConfig, name: str, mounter: Mounter) -> Backend:
 
         return DaxctlBackend(daxctl=cfg.daxctl, cxl=cfg.cxl, setup=cfg.dax_setup,
                              state_path=os.path.join(cfg.state_dir, "daxctl-devices.json"))
+    if name == "memory":
+        from csi_pmem.driver.backends.memory import MemoryBackend
+        from csi_pmem.driver.backends.memory_sizing import fit_pools, node_memory, parse_pools
+
+        return MemoryBackend(cfg.memory_root, fit_pools(parse_pools(cfg.memory_pools),
+                                                        node_memory()),
+                             mounter, fs=cfg.memory_fs, pages=cfg.memory_pages)
     from csi_pmem.driver.backends.emulated import EmulatedBackend, parse_regions
 
     return EmulatedBackend(cfg.emulated_root, parse_regions(cfg.emulated_regions),
@@ -105,7 +112,8 @@ class Server:
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=worker_count(cfg),
                                                            thread_name_prefix="csi"))
         csi_pb2_grpc.add_IdentityServicer_to_server(
-            IdentityServicer(cfg.driver_name, self.backend.probe), self.grpc)
+            IdentityServicer(cfg.driver_name, self.backend.probe, pools=self.backend.pools),
+            self.grpc)
         csi_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self.driver), self.grpc)
         csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(self.driver), self.grpc)
         self.watcher: DeviceWatcher | None = None

@@ -34,6 +34,7 @@ SERVE_BAD = {
     **{key: ("nonsense", ", ".join(choices)) for key, choices in config.CHOICES.items()},
     "endpoint": ("localhost:1", "use unix:///path.sock or tcp://host:port"),
     "emulated_regions": ("0=lots", "invalid size 'lots'"),
+    "memory_pools": ("0=150%", "at most 100% of the NUMA node's memory"),
     "erase_threads": ("x", "is not a whole number of 0 or more"),
     "grpc_workers": ("-1", "is not a whole number of 0 or more"),
     "erase_workers": ("0", "is not a positive whole number"),
@@ -74,7 +75,8 @@ def test_the_examples_from_the_operator(no_start, monkeypatch, capsys):
              "CSI_PMEM_LOG_LEVEL: invalid choice 'nonsense' (use one of debug, info, "
              "warning, error)\n"),
             ("CSI_PMEM_BACKEND", "foo", "csi-pmem: environment variable CSI_PMEM_BACKEND: "
-             "invalid choice 'foo' (use one of ndctl, daxctl, ndctl,daxctl, emulated)\n"),
+             "invalid choice 'foo' (use one of ndctl, daxctl, ndctl,daxctl, memory, "
+             "emulated)\n"),
             ("CSI_PMEM_ERASE_WORKERS", "x", "csi-pmem: environment variable "
              "CSI_PMEM_ERASE_WORKERS: 'x' is not a positive whole number\n")]:
         monkeypatch.setenv(name, value)

@@ -105,6 +105,12 @@ class Pool:
     # map=dev: 1/64 of the namespace); False where they live in system RAM (a device of
     # a dynamic dax region), so its usable size is its raw size.
     struct_pages_on_media: bool = True
+    # The page size a volume's memory comes in (bytes; 0 where the back end cannot say,
+    # as on device-dax and the emulated pools) and how its pages are kept on
+    # ``numa_node`` ("bind": the memory back end binds every allocation there; "" where
+    # the media itself is the node's, or nothing binds it).
+    page_size: int = 0
+    placement: str = ""
 
     @property
     def usable(self) -> bool:
