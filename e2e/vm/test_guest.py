@@ -1966,3 +1966,118 @@ def test_probe_not_ready_when_only_the_misaligned_region_is_left(drv: Driver) ->
     log = drv.log_text()
     assert re.search(r"not ready: .*region1.*16 MiB", log), drv.log_tail()
     assert drv.identity.Probe(csi_pb2.ProbeRequest(), timeout=60).ready.value is True
+
+
+# ============================================= memory back end (issue 43), main config
+
+MEMORY_BASE = Path("/run/e2e-memory")
+MEMORY_POOL = 256 * MiB
+MEMORY_VOLUME = 160 * MiB
+
+
+class MemoryDriver(Driver):
+    """``--backend memory`` (its own state, kubelet dir and log), started pinned to
+    ``cpus``: its threads then allocate from a CPU of the other node."""
+
+    def __init__(self, base: Path, fs: str, cpus: str) -> None:
+        super().__init__(base)
+        self.log = OUT / f"driver-memory-{fs}.log"
+        self.cpus = cpus
+        self.extra = ["--backend", "memory", "--metrics-address=",
+                      "--memory-pools", f"0={MEMORY_POOL},1={MEMORY_POOL}",
+                      "--memory-root", str(base / "pools"), "--memory-fs", fs,
+                      "--memory-pages", "2M"]
+
+    def argv(self) -> list[str]:
+        return ["taskset", "-c", self.cpus, *super().argv()]
+
+
+@pytest.mark.parametrize("fs", ["tmpfs", "hugetlbfs"])
+@pytest.mark.parametrize("order", [(1, 0), (0, 1)], ids=["node1-first", "node0-first"])
+def test_memory_pools_bind_pages_to_their_node(fs: str, order: tuple[int, int]) -> None:
+    """Each volume's pages lie on its numaNode (>= 99%) although the driver's threads run
+    on the other node's CPU, they exist once CreateVolume returns (the node's Shmem or
+    free huge pages move before anything maps the volume), and the page size the
+    mapping gets is reported."""
+    from e2e.vm import memory_guest as mg
+
+    huge_kib = 2048
+    if fs == "hugetlbfs":
+        want = MEMORY_POOL // (huge_kib * 1024)
+        got = {n: mg.reserve_huge_pages(n, want) for n in (0, 1)}
+        assert got == {0: want, 1: want}, f"could not reserve 2 MiB pages per node: {got}"
+    if MEMORY_BASE.exists():
+        shutil.rmtree(MEMORY_BASE)
+    MEMORY_BASE.mkdir(parents=True)
+    cpus = {n: mg.node_cpus(n) for n in (0, 1)}
+    d = MemoryDriver(MEMORY_BASE, fs, cpus[1 - order[0]])
+    report: dict[str, Any] = {"fs": fs, "order": list(order), "cpus": cpus, "volumes": []}
+    maps: list[mmap.mmap] = []
+    vids: list[str] = []
+    try:
+        d.start()
+        assert d.proc is not None
+        for numa in order:
+            other = 1 - numa
+            mg.pin(d.proc.pid, cpus[other])
+            assert mg.threads_on(d.proc.pid) == {cpus[other]}
+            before = {n: mg.node_meminfo(n) for n in (0, 1)}
+            vol = create(d, unique(f"mem{numa}"), MEMORY_VOLUME, {"numaNode": str(numa)})
+            after = {n: mg.node_meminfo(n) for n in (0, 1)}
+            vids.append(vol.volume_id)
+            path = vol.volume_context["device"]
+            raw = os.stat(path).st_size
+            if fs == "hugetlbfs":
+                field, unit = "HugePages_Free", huge_kib * 1024
+                grew = {n: (before[n][field] - after[n][field]) * unit for n in (0, 1)}
+            else:
+                field, unit = "Shmem", 1024
+                grew = {n: (after[n][field] - before[n][field]) * unit for n in (0, 1)}
+            target = d.target(vol.volume_id)
+            publish(d, vol.volume_id, target)
+            md, fd = open_volume(os.path.join(target, "dax.sock"))
+            try:
+                buf = mmap.mmap(fd, md["usable_size"], mmap.MAP_SHARED, mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            maps.append(buf)
+            untouched = mg.mapping_stats(path)
+            mg.populate(buf)
+            stats = mg.mapping_stats(path)
+            mapped = sum(v for k, v in stats.items() if re.fullmatch(r"N\d+", k))
+            on_node = stats.get(f"N{numa}", 0)
+            entry = {"numaNode": numa, "driver_cpus": cpus[other], "raw_bytes": raw,
+                     "usable_bytes": md["usable_size"],
+                     f"{field}_delta_at_create_MiB": {n: round(grew[n] / MiB, 1)
+                                                      for n in (0, 1)},
+                     "mapped_before_touch_MiB": round(sum(
+                         v for k, v in untouched.items() if re.fullmatch(r"N\d+", k)) / MiB, 1),
+                     "numa_maps_MiB": {k: round(v / MiB, 1) for k, v in stats.items()
+                                       if re.fullmatch(r"N\d+", k)},
+                     "on_node_share": round(on_node / mapped, 4) if mapped else 0.0,
+                     "page": {k: v for k, v in stats.items() if not re.fullmatch(r"N\d+", k)}}
+            report["volumes"].append(entry)
+            print(f"memory[{fs}] order={order} volume numaNode={numa} (driver on CPU "
+                  f"{cpus[other]}): {json.dumps(entry)}", flush=True)
+            assert mapped >= md["usable_size"] * 0.99, entry
+            assert on_node >= 0.99 * mapped, f"pages off node {numa}: {entry}"
+            # Allocated at CreateVolume: the volume's node gave the pages before any map.
+            assert grew[numa] >= 0.99 * raw, f"not allocated at CreateVolume: {entry}"
+        FACTS.setdefault("memory_backend", []).append(report)
+    finally:
+        for buf in maps:
+            buf.close()
+        if d.running:
+            for vid in vids:
+                target = d.target(vid)
+                if os.path.exists(target):
+                    unpublish(d, vid, target)
+                delete(d, vid)
+        d.stop()
+        for n in (0, 1):
+            run(["umount", str(MEMORY_BASE / "pools" / f"region{n}")], check=False)
+        if fs == "hugetlbfs":
+            for n in (0, 1):
+                mg.reserve_huge_pages(n, 0)
+    (OUT / f"memory-{fs}-{order[0]}{order[1]}.json").write_text(json.dumps(report, indent=1))
+
