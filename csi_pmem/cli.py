@@ -235,13 +235,23 @@ def _run(args: argparse.Namespace) -> int:
             from csi_pmem import logs
             from csi_pmem.driver import server
             from csi_pmem.driver.backends.emulated import parse_regions
-            from csi_pmem.driver.backends.memory_sizing import fit_pools, node_memory, parse_pools
+            from csi_pmem.driver.backends.memory import PAGES
+            from csi_pmem.driver.backends.memory_sizing import (
+                check_huge_pages,
+                fit_pools,
+                node_memory,
+                parse_pools,
+            )
 
             cfg = config.from_args(args, {"emulated_regions": parse_regions,
                                           "memory_pools": parse_pools})
             if "memory" in cfg.backends:  # refused before anything is mounted
-                config.check_value(args, "memory_pools", cfg.memory_pools,
-                                   lambda spec: fit_pools(parse_pools(spec), node_memory()))
+                sized = config.check_value(
+                    args, "memory_pools", cfg.memory_pools,
+                    lambda spec: fit_pools(parse_pools(spec), node_memory()))
+                if cfg.memory_fs == "hugetlbfs":  # the node's reserved huge pages
+                    config.check_value(args, "memory_pools", sized, lambda s: check_huge_pages(
+                        s, PAGES[cfg.memory_pages]))
             logs.setup(cfg.log_format, cfg.log_level)
             return server.serve(cfg)
         if args.command == "gpu-copy":

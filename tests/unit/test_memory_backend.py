@@ -240,3 +240,24 @@ def test_info_without_pools_and_a_failing_listing(tmp_path):
     assert IdentityServicer("x", lambda: (True, "ok"), pools=broken)._manifest() == {}
     text = output.render("info", {"plugin": {"name": "x"}, "probe": {}, "node": {}}, "table")
     assert "POOL" not in text
+
+
+def test_hugetlbfs_pools_need_the_nodes_reserved_huge_pages(tmp_path, no_start, monkeypatch,
+                                                            capsys):
+    sys_root = tmp_path / "sys"
+    monkeypatch.setattr(memory_sizing, "SYSFS_NODES",
+                        write_nodes(sys_root, {0: 1_048_576, 1: 1_048_576}))
+    for node, count in ((0, 128), (1, 64)):
+        d = sys_root / f"node{node}" / "hugepages" / "hugepages-2048kB"
+        d.mkdir(parents=True)
+        (d / "nr_hugepages").write_text(f"{count}\n")
+    argv = ["serve", "--backend", "memory", "--memory-fs", "hugetlbfs",
+            "--memory-pools", "0=256Mi,1=256Mi", "--state-dir", str(tmp_path / "state")]
+    assert cli.main(argv) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert err == ("csi-pmem: --memory-pools: NUMA node 1 has 64 huge pages of 2Mi reserved "
+                   "(128Mi), and its memory pool asks 256Mi; reserve 128 in "
+                   f"{sys_root}/node1/hugepages/hugepages-2048kB/nr_hugepages\n")
+    (sys_root / "node1" / "hugepages" / "hugepages-2048kB" / "nr_hugepages").write_text("128")
+    with pytest.raises(AssertionError, match="the driver started"):
+        cli.main(argv)

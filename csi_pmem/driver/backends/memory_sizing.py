@@ -96,3 +96,22 @@ def fit_pools(pools: dict[int, Request], memory: dict[int, int]) -> dict[int, in
                                   f"and {asked} of it is less than 16Mi")
         sized[node] = nbytes
     return sized
+
+
+def check_huge_pages(sized: dict[int, int], page_size: int, root: str | None = None) -> None:
+    """hugetlbfs pools: each node's reserved huge pages of ``page_size`` (its
+    ``nr_hugepages``, used ones included, so a restart with volumes passes) must cover
+    its pool; else :class:`InvalidArgument` in one line, saying where to reserve more."""
+    kib = page_size // 1024
+    for node, nbytes in sorted(sized.items()):
+        path = Path(root or SYSFS_NODES) / f"node{node}" / "hugepages" / \
+            f"hugepages-{kib}kB" / "nr_hugepages"
+        try:
+            count = int(path.read_text())
+        except (OSError, ValueError):
+            count = 0
+        if count * page_size < nbytes:
+            raise InvalidArgument(
+                f"NUMA node {node} has {count} huge pages of {format_bytes(page_size)} "
+                f"reserved ({format_bytes(count * page_size)}), and its memory pool asks "
+                f"{format_bytes(nbytes)}; reserve {-(-nbytes // page_size)} in {path}")
