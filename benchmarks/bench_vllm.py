@@ -185,7 +185,7 @@ def _nothing() -> str:
     return ""
 
 
-def ours(node: bool = False, verify: bool = True) -> Method:
+def ours(node: bool = False, verify: bool = True, ahead: int | None = None) -> Method:
     def setup(ctx: bf.Ctx) -> None:
         import csi_pmem.loader.batches
         import csi_pmem.loader.gpu  # noqa: F401
@@ -198,7 +198,7 @@ def ours(node: bool = False, verify: bool = True) -> Method:
         from csi_pmem.loader.batches import BatchedLoad
 
         load = BatchedLoad(open_model(ctx.volume), ctx.device, verify=verify,
-                           budget=int(ctx.state["budget"]))
+                           budget=int(ctx.state["budget"]), ahead=ahead)
 
         def end() -> str:
             load.verified()
@@ -302,6 +302,7 @@ def _fastsafetensors_env(ctx: bf.Ctx) -> dict[str, str]:
 METHODS: dict[str, Method] = {
     CEILING: Method(None),
     "ours-node": ours(node=True),
+    "ours-node-ahead1": ours(node=True, ahead=1),  # one batch ahead: the earlier default
     "ours-node-noverify": ours(node=True, verify=False),
     "ours": ours(),
     "ours-noverify": ours(verify=False),

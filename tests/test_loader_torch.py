@@ -648,3 +648,82 @@ def test_fresh_processes_exit_cleanly(models, tmp_path, mode):
                                  capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]
             assert out.stdout.split()[0] == mode, out.stdout
+
+
+def batched_model(directory, odd: bool):
+    """Eight 24 MiB tensors in one file (three 64 MiB chunks and a bit); with ``odd``
+    each is 3 bytes longer, so that every boundary after the first falls inside a word."""
+    import numpy as np
+
+    n = (24 << 20) + (3 if odd else 0)
+    lm.save_numpy_model(directory, {f"w{i}": (np.arange(n, dtype=np.int64) * (i + 7) % 251)
+                                    .astype(np.uint8) for i in range(8)})
+    return directory
+
+
+def batched_load(vol, budget, directory=None):
+    """Every tensor of a BatchedLoad on cuda:0, copied to the host, and the load."""
+    from csi_pmem.loader.batches import BatchedLoad
+    from csi_pmem.loader.model import open_model
+
+    with open_volume(directory or vol) as v:
+        load = BatchedLoad(open_model(v), "cuda:0", budget=budget)
+        got = {name: t.cpu() for name, t in load}
+        try:
+            load.verified()
+        finally:
+            load.settle()
+    return got, load
+
+
+@cuda
+@pytest.mark.parametrize("odd", [False, True])
+def test_batches_are_checked_on_the_device_across_their_boundaries(tmp_path, odd):
+    """Batches of 40 MiB cut the file's 64 MiB chunks: each piece is summed on the
+    device while its batch is alive and the pieces combined, so no tensor byte is
+    hashed on the host. Where boundaries fall inside a word the cut chunks go to the
+    host, whole, and the load is still verified and bit-exact."""
+    src = batched_model(tmp_path / "m", odd)
+    vol = lm.staged_volume(src, tmp_path / "v", size=256 * lm.MiB)
+    got, load = batched_load(vol, budget=80 << 20)
+    assert len(load.batches) > 3 and load.check is not None
+    assert_same(got, reference(src))
+    if odd:
+        assert 0 < load.check.host_bytes < load.nbytes
+    else:
+        assert load.check.host_bytes == 0 and load.check.device_bytes == load.nbytes
+
+
+@cuda
+@pytest.mark.parametrize("odd", [False, True])
+def test_a_damaged_byte_in_a_chunk_two_batches_share_fails_the_load(tmp_path, odd):
+    """The byte just before the second batch starts, in chunk 0: the piece of the chunk
+    in the first batch carries the damage, the piece in the second does not."""
+    from csi_pmem.loader.batches import plan_batches
+    from csi_pmem.loader.model import open_model
+
+    src = batched_model(tmp_path / "m", odd)
+    vol = lm.staged_volume(src, tmp_path / "v", size=256 * lm.MiB)
+    with open_volume(vol) as v:
+        view = open_model(v)
+        cut = plan_batches(view.select(), 40 << 20)[1][0].offset
+    with open(vol, "r+b") as fh:
+        fh.seek(cut - 1)
+        byte = fh.read(1)
+        fh.seek(cut - 1)
+        fh.write(bytes([byte[0] ^ 0x5A]))
+    with pytest.raises(ChecksumError, match=r"1 chunk\(s\) .* first: .*: chunk 0 "):
+        batched_load(vol, budget=80 << 20)
+
+
+@node_copy
+def test_node_copied_batches_are_checked_on_the_device(tmp_path):
+    from csi_pmem.driver.standalone import published
+
+    src = batched_model(tmp_path / "m", odd=False)
+    vol = lm.staged_volume(src, tmp_path / "v", size=256 * lm.MiB)
+    with published(str(vol), str(tmp_path / "pub")) as directory:
+        got, load = batched_load(vol, budget=80 << 20, directory=directory)
+    assert load.path == "node" and load.check is not None
+    assert load.check.host_bytes == 0 and load.check.device_bytes == load.nbytes
+    assert_same(got, reference(src))

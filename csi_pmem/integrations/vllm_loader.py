@@ -91,7 +91,7 @@ class CsiPmemModelLoader(BaseModelLoader):
                 batched.verified()  # ChecksumError: the volume copy is damaged
                 count, nbytes, path = (sum(len(b) for b in batched.batches),
                                        batched.nbytes, batched.path)
-                where = f"{device} (batches of up to {human_size(batched.budget // 2)})"
+                where = f"{device} (batches of up to {human_size(batched.limit)})"
             else:
                 # vLLM's weight loaders copy from these tensors into its own
                 # parameters: zero-copy views, private where the volume allows it, and

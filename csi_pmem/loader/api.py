@@ -111,6 +111,14 @@ def default_loader(device: str) -> Any:
         return loader
 
 
+def damaged(view: ModelView, bad: list[checksum.Mismatch]) -> ChecksumError:
+    """The error of a load whose chunks ``bad`` do not match: what to do about it."""
+    return ChecksumError(
+        f"{len(bad)} chunk(s) of model {view.model.label()} on {view.volume.source} do "
+        f"not match their staged checksums, first: {bad[0]}. The volume copy is "
+        "damaged; stage the model again")
+
+
 class _Verification:
     """Joins the parts of one load's verification (host chunks, device files) into
     ``handle.verified``: None once every part passed, else :class:`ChecksumError`."""
@@ -134,10 +142,7 @@ class _Verification:
         view = self.handle.view
         exc = self.error
         if exc is None and self.bad:
-            exc = ChecksumError(
-                f"{len(self.bad)} chunk(s) of model {view.model.label()} on "
-                f"{view.volume.source} do not match their staged checksums, first: "
-                f"{self.bad[0]}. The volume copy is damaged; stage the model again")
+            exc = damaged(view, self.bad)
         if exc is not None:
             # DEBUG: the caller gets it from handle.verified (or result()); logged at
             # ERROR too, an unconfigured program would print it twice.

@@ -9,16 +9,26 @@ an 80 GB card), and CPU views of the mapping make every parameter copy a pageabl
 ``load_safetensors`` takes (the node's copy service where the volume has ``gpu.sock``,
 else the in-pod bounce), and the consumer's copies from it are device-to-device.
 
-The bound: at most two batches hold device memory, the one the consumer reads and the
-next one loading, each at most ``budget / 2`` bytes of tensors; a tensor larger than
-that is a batch alone, and the bound is then that tensor plus the next batch (a server
-needs each checkpoint tensor whole). The next batch starts once the consumer took the
-first tensor of the current one, so the previous batch's last tensor, which the
-consumer's loop variable holds until then, is already dropped (the tensors are views of
-one allocation per batch, freed with the last view).
+The bound: the batch the consumer reads and ``ahead`` batches loading hold device
+memory, each at most ``budget / (ahead + 1)`` bytes of tensors; a tensor larger than
+that is a batch alone, and the bound is then that tensor plus the batches loading (a
+server needs each checkpoint tensor whole). Batch k + ahead starts once the consumer
+took the first tensor of batch k, so batch k - 1's last tensor, which the consumer's
+loop variable holds until then, is already dropped (the tensors are views of one
+allocation per batch, freed with the last view).
 
-Verification: every batch's checksums are checked beside its copy (on the device where
-a batch holds whole files, else on the host) and :meth:`BatchedLoad.verified` raises
+Why two ahead on the node path: a batch's request (a connection, an exportable
+allocation, the service mapping it) costs milliseconds in which the link idles unless
+another batch is copying. On an H100 16 GB went at 37.5 GB/s unverified with one
+batch ahead against a 55 GB/s ceiling (benchmarks/results/vllm-bench-2026-12-06.json);
+node-path loads run outside the GPU loader's lock, so the next request is made while
+the service copies the one before. In-pod batches share the loader's pinned buffers
+and run one at a time: one ahead is all they can use.
+
+Verification: every batch's bytes are summed on the device as it lands, a chunk two
+batches share in two pieces (:mod:`.batchcheck` says why), and the files that check
+cannot take (a subset of a file, SHA-256 volumes, no CUDA) are hashed on the host beside
+each batch's copy. :meth:`BatchedLoad.verified` raises
 :class:`~csi_pmem.weights.errors.ChecksumError` after the last batch: a damaged chunk
 fails the load before anything is served, as with ``load_safetensors``.
 """
@@ -27,18 +37,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from csi_pmem.loader.api import LoadHandle, start_load
+from csi_pmem.loader import nodecopy
+from csi_pmem.loader.api import LoadHandle, damaged, start_load
+from csi_pmem.loader.batchcheck import BatchCheck, for_load
 from csi_pmem.loader.model import ModelView
 from csi_pmem.sizes import GiB, describe_size
 from csi_pmem.weights.stformat import TensorInfo
 
 log = logging.getLogger(__name__)
 
-#: Extra device memory a batched load may hold by default (two batches of half).
+#: Extra device memory a batched load may hold by default (its batches share it).
 DEFAULT_BUDGET = 1 * GiB
 
 
@@ -46,7 +59,7 @@ def plan_batches(selection: dict[str, list[TensorInfo]],
                  limit: int) -> list[list[TensorInfo]]:
     """The tensors in volume order, cut into runs of at most ``limit`` bytes each (a
     larger tensor is a run alone). Runs do not cross files: a run within one file is
-    one device allocation and, when it is the whole file, checked on the device."""
+    one device allocation, its bytes as on the volume, which :mod:`.batchcheck` sums."""
     batches: list[list[TensorInfo]] = []
     for tensors in selection.values():
         run: list[TensorInfo] = []
@@ -65,7 +78,9 @@ def plan_batches(selection: dict[str, list[TensorInfo]],
 class BatchedLoad:
     """Iterate ``(name, tensor)`` on ``device``, in volume order, in bounded batches.
 
-    ``budget``: the extra device memory in bytes (two batches of ``budget // 2``).
+    ``budget``: the extra device memory in bytes, ``ahead + 1`` batches of an equal
+    share; ``ahead``: batches loading while the consumer reads one (default: 2 where
+    the node's copy service will serve them, else 1).
     ``names``/``predicate`` pick a subset, as in ``start_load``. After the iteration,
     :meth:`verified` waits for every batch's check; ``path`` names the copy path the
     batches took (``node``, ``bounce``, ...), ``nbytes`` and ``seconds`` what moved.
@@ -73,14 +88,25 @@ class BatchedLoad:
 
     def __init__(self, view: ModelView, device: str, *, budget: int = DEFAULT_BUDGET,
                  verify: bool = True, names: Iterable[str] | None = None,
-                 predicate: Callable[[str], bool] | None = None, loader: Any = None):
+                 predicate: Callable[[str], bool] | None = None, loader: Any = None,
+                 ahead: int | None = None):
         if not device.startswith("cuda"):
             raise ValueError(f"a batched load is for a CUDA device, not {device!r}")
         if budget < 2:
             raise ValueError(f"budget must be a positive number of bytes, not {budget}")
         self.view, self.device, self.verify, self.loader = view, device, verify, loader
         self.budget = budget
-        self.batches = plan_batches(view.select(names, predicate), budget // 2)
+        self.ahead = ahead if ahead is not None else self._default_ahead()
+        if self.ahead < 1:
+            raise ValueError(f"ahead must be 1 or more batches, not {self.ahead}")
+        self.limit = budget // (self.ahead + 1)
+        selection = view.select(names, predicate)
+        self.batches = plan_batches(selection, self.limit)
+        owner = {t.name: f for f, ts in selection.items() for t in ts}
+        self._files = [owner[b[0].name] for b in self.batches]
+        self.check: BatchCheck | None = for_load(view, selection, device) if verify \
+            else None
+        self._bad: list[Any] | None = None
         self.nbytes = sum(t.nbytes for b in self.batches for t in b)
         self.largest = max((sum(t.nbytes for t in b) for b in self.batches), default=0)
         self.paths: set[str] = set()
@@ -96,9 +122,18 @@ class BatchedLoad:
     def gbps(self) -> float | None:
         return None if not self.seconds else self.nbytes / self.seconds / 1e9
 
-    def _start(self, batch: list[TensorInfo]) -> LoadHandle:
-        handle = start_load(self.view, self.device, names=[t.name for t in batch],
-                            verify=self.verify, loader=self.loader)
+    def _default_ahead(self) -> int:
+        node = self.loader.node_socket(self.view) if self.loader is not None \
+            else nodecopy.service_socket(self.view.volume)
+        return 2 if node is not None else 1
+
+    def _on_device(self, i: int) -> bool:
+        return self.check is not None and self.check.covers(self._files[i])
+
+    def _start(self, i: int) -> LoadHandle:
+        handle = start_load(self.view, self.device, names=[t.name for t in self.batches[i]],
+                            verify=self.verify and not self._on_device(i),
+                            loader=self.loader)
         self._checks.append(handle.verified)
         return handle
 
@@ -106,18 +141,20 @@ class BatchedLoad:
         if self._used:
             raise RuntimeError("a BatchedLoad is iterated once")
         self._used = True
-        if self.largest > self.budget // 2:
-            log.info("the largest tensor batch is %s, over half the budget of %s: the "
-                     "load holds up to %s of device memory beyond the model",
-                     describe_size(self.largest), describe_size(self.budget),
-                     describe_size(self.largest + self.budget // 2))
+        if self.largest > self.limit:
+            log.info("the largest tensor batch is %s, over the budget's share of %s: "
+                     "the load holds up to %s of device memory beyond the model",
+                     describe_size(self.largest), describe_size(self.limit),
+                     describe_size(self.largest + self.ahead * self.limit))
         started = time.monotonic()
-        ahead: LoadHandle | None = self._start(self.batches[0]) if self.batches else None
+        loading: deque[LoadHandle] = deque(
+            self._start(i) for i in range(min(self.ahead, len(self.batches))))
         for i, batch in enumerate(self.batches):
-            handle, ahead = ahead, None
-            assert handle is not None  # started before its turn
+            handle = loading.popleft()  # started before its turn
             tensors = dict(handle.done.result())  # LoaderError: the copy failed
             self.paths.add(handle.path or "none")
+            if self.check is not None and self._on_device(i):
+                self.check.submit(self._files[i], batch, tensors)
             # From here only the consumer's references keep the batch's memory.
             handle.drop()
             del handle
@@ -125,8 +162,11 @@ class BatchedLoad:
                 tensor = tensors.pop(t.name)
                 yield t.name, tensor
                 del tensor
-                if k == 0 and i + 1 < len(self.batches):
-                    ahead = self._start(self.batches[i + 1])
+                if k == 0:
+                    if self.check is not None:  # the previous batch's sums ran
+                        self.check.release(keep=1)
+                    if i + self.ahead < len(self.batches):
+                        loading.append(self._start(i + self.ahead))
             del tensors
         self.seconds = time.monotonic() - started
 
@@ -134,8 +174,14 @@ class BatchedLoad:
         """Wait for every batch's check; ChecksumError if a chunk does not match."""
         for fut in self._checks:
             fut.result(timeout)
+        if self.check is not None and self._bad is None:
+            self._bad = self.check.mismatches()
+        if self._bad:
+            raise damaged(self.view, self._bad)
 
     def settle(self) -> None:
         """Wait for the checks without raising (before the volume is unmapped)."""
         for fut in self._checks:
             fut.exception()
+        if self.check is not None:
+            self.check.close()

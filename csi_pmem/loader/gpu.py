@@ -353,6 +353,10 @@ class GpuLoader:
             arena, self._arena = self._arena, None
             allocate(targets, self.device, arena)
 
+    def node_socket(self, view: ModelView) -> str | None:
+        """The node copy service's socket a load of ``view`` tries first, if any."""
+        return nodecopy.service_socket(view.volume) if self.node_copy else None
+
     def load(self, view: ModelView, selection: dict[str, list[TensorInfo]],
              on_tensor: TensorDone, on_file: FileDone,
              on_data: FileData | None = None) -> str:
@@ -360,33 +364,38 @@ class GpuLoader:
         (``on_data`` right after each ``on_tensor``).
 
         Returns the path used: ``"node"``, ``"bounce"``, ``"registered"`` or ``"hybrid"``.
+
+        Node-path loads run outside the loader's lock, so several can be in flight: they
+        share none of its buffers, registrations or threads, and a batched load
+        (:mod:`.batches`) makes its next request while the service copies the one
+        before. What they leave to the pod (the service refused) takes the lock.
         """
+        targets = []
+        for fname, tensors in selection.items():
+            placements, size = planning.place(tensors)
+            targets.append(FileTarget(fname, {t.name: t for t in tensors}, placements,
+                                      size, first_dst=placements[0].dst if placements
+                                      else 0))
+        left = {t.name: len(t.placements) for t in targets}
+
+        def finish(target: FileTarget, name: str) -> None:
+            on_tensor(name, target.finish(name))
+            if on_data is not None:
+                info = target.infos[name]
+                on_data(target.name, target.buffer, target.first_dst, info.offset,
+                        info.offset + info.nbytes)
+            left[target.name] -= 1
+            if left[target.name] == 0:
+                on_file(target.name, dict(target.tensors))
+
+        node = self.node_socket(view)
+        if node is not None:
+            remaining = nodecopy.load_node(self, view, targets, finish, node)
+            if remaining is None:
+                self.last_path = NODE
+                return NODE
+            targets = remaining
         with self._lock:
-            targets = []
-            for fname, tensors in selection.items():
-                placements, size = planning.place(tensors)
-                targets.append(FileTarget(fname, {t.name: t for t in tensors}, placements,
-                                          size, first_dst=placements[0].dst if placements
-                                          else 0))
-            left = {t.name: len(t.placements) for t in targets}
-
-            def finish(target: FileTarget, name: str) -> None:
-                on_tensor(name, target.finish(name))
-                if on_data is not None:
-                    info = target.infos[name]
-                    on_data(target.name, target.buffer, target.first_dst, info.offset,
-                            info.offset + info.nbytes)
-                left[target.name] -= 1
-                if left[target.name] == 0:
-                    on_file(target.name, dict(target.tensors))
-
-            node = nodecopy.service_socket(view.volume) if self.node_copy else None
-            if node is not None:
-                remaining = nodecopy.load_node(self, view, targets, finish, node)
-                if remaining is None:
-                    self.last_path = NODE
-                    return NODE
-                targets = remaining
             path = self._choose(view)
             if path == HYBRID:
                 refused = self._load_hybrid(view, targets, finish)
