@@ -88,7 +88,8 @@ sanity: setup tools
 helm-lint:
 	@helm="$$(bash scripts/install-helm.sh | tail -n 1)" && \
 	  "$$helm" lint --strict charts/csi-pmem && \
-	  "$$helm" lint --strict charts/csi-pmem -f charts/csi-pmem/ci/emulated-values.yaml
+	  "$$helm" lint --strict charts/csi-pmem -f charts/csi-pmem/ci/emulated-values.yaml && \
+	  "$$helm" lint --strict charts/csi-pmem -f charts/csi-pmem/ci/memory-values.yaml
 
 deploy:
 	@bash scripts/render-deploy.sh

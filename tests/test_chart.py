@@ -35,6 +35,7 @@ from csi_pmem.driver.config import DEFAULTS, env_name
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "csi-pmem"
 EMULATED_VALUES = CHART / "ci" / "emulated-values.yaml"
+MEMORY_VALUES = CHART / "ci" / "memory-values.yaml"
 INSTALL_HELM = REPO / "scripts" / "install-helm.sh"
 RENDER_DEPLOY = REPO / "scripts" / "render-deploy.sh"
 DOCKERFILE = REPO / "Dockerfile"
@@ -132,8 +133,11 @@ def gpu_copy(helm: str) -> Manifests:
 # --------------------------------------------------------------------------- lint
 
 
-@pytest.mark.parametrize("args", [(), ("-f", str(EMULATED_VALUES)), GPU_COPY_ON],
-                         ids=["default", "emulated", "gpu-copy"])
+@pytest.mark.parametrize("args", [(), ("-f", str(EMULATED_VALUES)), GPU_COPY_ON,
+                                  ("-f", str(MEMORY_VALUES)),
+                                  ("-f", str(MEMORY_VALUES), "--set",
+                                   "backend.memory.fs=hugetlbfs,backend.memory.pages=1G")],
+                         ids=["default", "emulated", "gpu-copy", "memory", "memory-1G"])
 def test_helm_lint_strict_is_clean(helm: str, args: tuple[str, ...]) -> None:
     proc = run_helm(helm, "lint", "--strict", *args)
     out = proc.stdout + proc.stderr
@@ -203,7 +207,7 @@ def test_driver_container(default: Manifests) -> None:
     assert "CSI_PMEM_EMULATED_REGIONS" not in env
 
 
-@pytest.mark.parametrize("which", ["default", "emulated", "gpu_copy"])
+@pytest.mark.parametrize("which", ["default", "emulated", "gpu_copy", "memory"])
 def test_driver_env_names_are_real_flags(which: str, request: pytest.FixtureRequest) -> None:
     """Every CSI_PMEM_* variable the chart sets is one `csi-pmem serve` reads."""
     m: Manifests = request.getfixturevalue(which)
@@ -572,6 +576,274 @@ def test_emulated_root_elsewhere_is_mounted(helm: str) -> None:
     assert m.env("driver")["CSI_PMEM_EMULATED_ROOT"] == "/dev/hugepages/csi-pmem"
     assert m.mounts("driver")["emulated-root"]["mountPath"] == "/dev/hugepages/csi-pmem"
     assert m.host_path("emulated-root") == "/dev/hugepages/csi-pmem"
+
+
+# --------------------------------------------------------------------------- memory back end
+# DRAM pools (issue 43, item 2): the driver's flags, the memory root on a Bidirectional
+# hostPath, and requests derived from the pools so the scheduler sees their memory.
+
+KUBE_UNITS = {"": 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4}
+
+
+def kube_bytes(quantity: str) -> int:
+    """A rendered request ("8320Mi", "6Gi") as bytes; only binary suffixes are expected."""
+    m = re.fullmatch(r"([0-9]+)(Ki|Mi|Gi|Ti)?", str(quantity))
+    assert m, f"not a whole binary quantity: {quantity!r}"
+    return int(m.group(1)) * KUBE_UNITS[m.group(2) or ""]
+
+
+def pools_json(pools: dict[int, str]) -> str:
+    return "backend.memory.pools=" + json.dumps(
+        [{"numaNode": n, "size": size} for n, size in pools.items()])
+
+
+def render_memory(helm: str, *args: str) -> Manifests:
+    return Manifests(render(helm, "-f", str(MEMORY_VALUES), *args))
+
+
+@pytest.fixture(scope="session")
+def memory(helm: str) -> Manifests:
+    return render_memory(helm)
+
+
+def test_memory_backend_renders_the_driver_flags(memory: Manifests) -> None:
+    from csi_pmem.driver.backends.memory_sizing import parse_pools
+
+    env = memory.env("driver")
+    assert env["CSI_PMEM_BACKEND"] == "memory"
+    assert env["CSI_PMEM_MEMORY_POOLS"] == "0=4Gi,1=4Gi"
+    assert env["CSI_PMEM_MEMORY_ROOT"] == "/var/lib/csi-pmem/memory"
+    assert env["CSI_PMEM_MEMORY_FS"] == "tmpfs"
+    assert env["CSI_PMEM_MEMORY_PAGES"] == "2M"
+    assert not {n for n in env if n.startswith(("CSI_PMEM_EMULATED_", "CSI_PMEM_NDCTL",
+                                                "CSI_PMEM_DAXCTL"))}, sorted(env)
+    # What `csi-pmem serve` makes of them, through its own parser.
+    cfg = serve_config_from(env)
+    assert cfg.backends == ("memory",)
+    assert (cfg.memory_root, cfg.memory_fs, cfg.memory_pages) == (
+        "/var/lib/csi-pmem/memory", "tmpfs", "2M")
+    assert parse_pools(cfg.memory_pools) == {0: 4 * 1024**3, 1: 4 * 1024**3}
+
+
+@pytest.mark.parametrize("fs,pages", [("tmpfs", "4k"), ("hugetlbfs", "2M"),
+                                      ("hugetlbfs", "1G")])
+def test_memory_file_system_and_pages_reach_the_driver(helm: str, fs: str, pages: str) -> None:
+    m = render_memory(helm, "--set", f"backend.memory.fs={fs},backend.memory.pages={pages}",
+                      "--set-json", pools_json({0: "2Gi", 1: "8Gi"}),
+                      "--set", "backend.memory.root=/mnt/csi-pmem-pools/")
+    cfg = serve_config_from(m.env("driver"))
+    assert (cfg.memory_fs, cfg.memory_pages, cfg.memory_pools, cfg.memory_root) == (
+        fs, pages, "0=2Gi,1=8Gi", "/mnt/csi-pmem-pools")
+
+
+def covering_mount(m: Manifests, path: str) -> dict[str, Any]:
+    """The driver's volume mount that a path inside the container lies on."""
+    covering = [v for v in m.mounts("driver").values()
+                if path == v["mountPath"] or path.startswith(v["mountPath"].rstrip("/") + "/")]
+    return max(covering, key=lambda v: len(v["mountPath"]))
+
+
+@pytest.mark.parametrize("root", ["", "/mnt/csi-pmem-pools"])
+def test_memory_root_is_a_bidirectional_host_path(helm: str, root: str) -> None:
+    """The pools' mounts must reach the host's mount table, so that they, and the
+    volumes in them, outlive the driver container: the memory root is a hostPath of its
+    own at the same path, Bidirectional (only a privileged container may have that), and
+    no other mount of the driver shadows the pools' directories."""
+    m = render_memory(helm, "--set", f"backend.memory.root={root}")
+    want = root or "/var/lib/csi-pmem/memory"
+    assert m.env("driver")["CSI_PMEM_MEMORY_ROOT"] == want
+    mount = m.mounts("driver")["memory-root"]
+    assert mount["mountPath"] == want
+    assert mount["mountPropagation"] == "Bidirectional"
+    assert not mount.get("readOnly")
+    vols = {v["name"]: v for v in m.pod["volumes"]}
+    assert vols["memory-root"]["hostPath"] == {"path": want, "type": "DirectoryOrCreate"}
+    for node in (0, 1):
+        assert covering_mount(m, f"{want}/region{node}")["name"] == "memory-root"
+    assert m.container("driver")["securityContext"]["privileged"] is True
+    # The state directory stays a mount of its own (the records must stay on disk).
+    assert m.mounts("driver")["state-dir"]["mountPath"] == "/var/lib/csi-pmem"
+    assert "mountPropagation" not in m.mounts("driver")["state-dir"]
+    # Only the driver propagates mounts.
+    for c in m.pod["containers"]:
+        if c["name"] != "driver":
+            assert all("mountPropagation" not in v for v in c.get("volumeMounts", [])), \
+                c["name"]
+
+
+@pytest.mark.parametrize("root", ["/var/lib/csi-pmem", "/var/lib", "/var/lib/kubelet",
+                                  "/var/lib/kubelet/pools", "/var"])
+def test_memory_root_must_be_a_directory_of_its_own(helm: str, root: str) -> None:
+    proc = run_helm(helm, "template", "-f", str(MEMORY_VALUES),
+                    "--set", f"backend.memory.root={root}")
+    assert proc.returncode != 0, f"root {root} was accepted"
+    assert f"backend.memory.root {root}: the pools are mounted there with Bidirectional " \
+           "propagation" in proc.stderr, proc.stderr
+
+
+GiB, MiB = 1024**3, 1024**2
+DRIVER_OWN = 128 * MiB  # values.yaml driver.resources.requests.memory
+
+
+@pytest.mark.parametrize("fs,pages,pools", [
+    ("tmpfs", "2M", {0: "4Gi", 1: "4Gi"}),
+    ("tmpfs", "4k", {0: "1000Mi", 1: "3Gi"}),  # 1000Mi: 992Mi, as the driver rounds
+    ("tmpfs", "2M", {0: "1Ti", 1: "16777216"}),
+    ("tmpfs", "2M", {1: "20480Ki"}),  # one pool, on node 1 only: 16Mi
+    ("hugetlbfs", "2M", {0: "4Gi", 1: "2Gi"}),
+    ("hugetlbfs", "2M", {0: "1000Mi"}),
+    ("hugetlbfs", "1G", {0: "64Gi", 1: "1Ti"}),
+])
+def test_memory_requests_are_the_sum_of_the_pools(helm: str, fs: str, pages: str,
+                                                  pools: dict[int, str]) -> None:
+    """hugetlbfs pools: hugepages-<size> requests and limits equal to the pools (kubelet
+    removes reserved huge pages from allocatable memory and sets the pod's hugetlb
+    limit to its request); tmpfs pools: the memory request is the driver's own plus the
+    pools. Each pool counts as the driver sizes it (rounded down to 16Mi); the sums are
+    computed here from the pools, independently of the chart."""
+    from csi_pmem.driver.backends.memory_sizing import parse_pools
+    from csi_pmem.sizes import REGION_ALIGN, round_down
+
+    spec = ",".join(f"{n}={s}" for n, s in pools.items())
+    want = sum(round_down(b, REGION_ALIGN) for b in parse_pools(spec).values())
+    m = render_memory(helm, "--set", f"backend.memory.fs={fs},backend.memory.pages={pages}",
+                      "--set-json", pools_json(pools))
+    res = m.container("driver")["resources"]
+    assert m.env("driver")["CSI_PMEM_MEMORY_POOLS"] == spec
+    assert res["requests"]["cpu"] == "50m"
+    if fs == "hugetlbfs":
+        key = {"2M": "hugepages-2Mi", "1G": "hugepages-1Gi"}[pages]
+        assert kube_bytes(res["requests"][key]) == want
+        assert kube_bytes(res["limits"][key]) == want
+        assert kube_bytes(res["requests"]["memory"]) == DRIVER_OWN
+        assert set(res["requests"]) == {"cpu", "memory", key}
+        assert set(res["limits"]) == {key}
+    else:
+        assert kube_bytes(res["requests"]["memory"]) == DRIVER_OWN + want
+        assert not [k for k in res["requests"] if k.startswith("hugepages-")]
+        assert "limits" not in res  # no memory limit by default, pools or not
+
+
+def test_memory_requests_render_readably(helm: str, memory: Manifests) -> None:
+    assert memory.container("driver")["resources"] == {
+        "requests": {"cpu": "50m", "memory": "8320Mi"}}
+    m = render_memory(helm, "--set", "backend.memory.fs=hugetlbfs,backend.memory.pages=1G")
+    assert m.container("driver")["resources"] == {
+        "requests": {"cpu": "50m", "memory": "128Mi", "hugepages-1Gi": "8Gi"},
+        "limits": {"hugepages-1Gi": "8Gi"}}
+
+
+def test_memory_pools_are_added_to_the_drivers_own_resources(helm: str) -> None:
+    """The driver's own request (and a memory limit, when one is set) stay, with the
+    tmpfs pools on top; other resources pass through."""
+    m = render_memory(helm, "--set", "driver.resources.requests.memory=1Gi",
+                      "--set", "driver.resources.limits.memory=2Gi",
+                      "--set", "driver.resources.limits.cpu=2",
+                      "--set-json", pools_json({0: "3Gi", 1: "5Gi"}))
+    res = m.container("driver")["resources"]
+    assert kube_bytes(res["requests"]["memory"]) == 9 * GiB
+    assert kube_bytes(res["limits"]["memory"]) == 10 * GiB
+    assert str(res["limits"]["cpu"]) == "2"
+    # Without a request of its own the driver requests the pools alone.
+    m = render_memory(helm, "--set", "driver.resources.requests.memory=null")
+    assert kube_bytes(m.container("driver")["resources"]["requests"]["memory"]) == 8 * GiB
+
+
+@pytest.mark.parametrize("args,message", [
+    # A share: the chart cannot know the node's memory.
+    (("--set", "backend.type=memory"),
+     "backend.memory.pools: 0=50%,1=50% is a share of a NUMA node's memory, which the "
+     "chart cannot know"),
+    (("-f", "MEMORY", "--set-json", pools_json({0: "64Gi", 1: "25.5%"})),
+     "backend.memory.pools: 1=25.5% is a share of a NUMA node's memory"),
+    # poolsTotal next to sizes would be a second value to keep in step.
+    (("-f", "MEMORY", "--set", "backend.memory.poolsTotal=8Gi"),
+     "backend.memory.poolsTotal: set to 8Gi, but every pool has a size, and the chart "
+     "requests their sum itself (8Gi); remove poolsTotal"),
+    (("-f", "MEMORY", "--set-json", pools_json({0: "8Mi"})),
+     "backend.memory.pools: NUMA node 0: a pool of 8Mi is smaller than 16Mi"),
+    (("-f", "MEMORY", "--set", "backend.memory.fs=hugetlbfs,backend.memory.pages=1G",
+      "--set-json", pools_json({0: "1536Mi"})),
+     "backend.memory.pools: NUMA node 0: a pool of 1536Mi is not a whole number of 1G "
+     "huge pages"),
+    (("-f", "MEMORY", "--set", "backend.memory.fs=hugetlbfs",
+      "--set", "driver.resources.limits.hugepages-2Mi=1Gi"),
+     "driver.resources: hugepages-2Mi is the sum of backend.memory.pools, set by the chart"),
+    (("-f", "MEMORY", "--set", "driver.resources.requests.memory=0.5Gi"),
+     'driver.resources.requests.memory: "0.5Gi" is not a size in bytes, Ki, Mi, Gi or Ti'),
+], ids=["shares", "one-share", "total-with-sizes", "tiny", "1G-not-whole", "hugepages-given",
+        "own-request-unparsed"])
+def test_memory_values_the_chart_cannot_request_fail_the_render(
+        helm: str, args: tuple[str, ...], message: str) -> None:
+    args = tuple(str(MEMORY_VALUES) if a == "MEMORY" else a for a in args)
+    proc = run_helm(helm, "template", *args)
+    assert proc.returncode != 0, "rendered"
+    assert message in proc.stderr, proc.stderr
+    if "share" in message:
+        assert "give each pool as a size (for example 64Gi), or set " \
+               "backend.memory.poolsTotal" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("fs,key", [("tmpfs", "memory"), ("hugetlbfs", "hugepages-2Mi")])
+def test_memory_share_with_pools_total_requests_it(helm: str, fs: str, key: str) -> None:
+    m = Manifests(render(helm, "--set", f"backend.type=memory,backend.memory.fs={fs}",
+                         "--set", "backend.memory.poolsTotal=256Gi"))
+    res = m.container("driver")["resources"]
+    assert m.env("driver")["CSI_PMEM_MEMORY_POOLS"] == "0=50%,1=50%"
+    own = DRIVER_OWN if key == "memory" else 0
+    assert kube_bytes(res["requests"][key]) == 256 * GiB + own
+    if key.startswith("hugepages-"):
+        assert kube_bytes(res["limits"][key]) == 256 * GiB
+
+
+@pytest.mark.parametrize("setting,path", [
+    ("backend.memory.fs=ramfs", "/backend/memory/fs"),
+    ("backend.memory.pages=2Mi", "/backend/memory/pages"),
+    ("backend.memory.pages=1G", "/backend/memory/pages"),  # tmpfs has no 1G pages
+    ("backend.memory.fs=hugetlbfs,backend.memory.pages=4k", "/backend/memory/pages"),
+    ("backend.memory.poolsTotal=1.5Ti", "/backend/memory/poolsTotal"),
+    ("backend.memory.root=pools", "/backend/memory/root"),
+    ("backend.memory.size=4Gi", "size"),  # a typo is an error
+])
+def test_schema_rejects_bad_memory_values(helm: str, setting: str, path: str) -> None:
+    proc = run_helm(helm, "template", "-f", str(MEMORY_VALUES), "--set", setting)
+    assert proc.returncode != 0, f"{setting} was accepted"
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    assert path in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("size", ["4GB", "150%", "0.5Gi", "-1Gi", "50 %"])
+def test_schema_rejects_bad_memory_pool_sizes(helm: str, size: str) -> None:
+    proc = run_helm(helm, "template", "-f", str(MEMORY_VALUES),
+                    "--set-json", pools_json({0: size}))
+    assert proc.returncode != 0, f"{size} was accepted"
+    assert "/backend/memory/pools/0/size" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("variant", ["default", "emulated"])
+def test_other_back_ends_render_as_before(helm: str, variant: str) -> None:
+    """Without backend.type memory nothing of it renders: no memory variables, no
+    memory root, the driver's resources are driver.resources as given, and the render
+    is the one deploy/ holds, rendered before the memory back end existed (also
+    checked byte for byte by test_deploy_manifests_are_in_sync)."""
+    m = Manifests(render(helm, "-f", str(CHART / "ci" / f"{variant}-values.yaml")))
+    assert not [n for n in m.env("driver") if n.startswith("CSI_PMEM_MEMORY_")]
+    assert "memory-root" not in m.mounts("driver")
+    assert "memory-root" not in {v["name"] for v in m.pod["volumes"]}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert m.container("driver")["resources"] == values["driver"]["resources"]
+    deploy = {"default": "csi-pmem.yaml", "emulated": "csi-pmem-emulated.yaml"}[variant]
+    docs = [d for d in yaml.safe_load_all((REPO / "deploy" / deploy).read_text())
+            if d and d["kind"] != "Namespace"]
+    assert m.docs == docs
+
+
+def test_memory_values_of_another_back_end_change_nothing(helm: str,
+                                                          emulated: Manifests) -> None:
+    m = Manifests(render(helm, "-f", str(EMULATED_VALUES),
+                         "--set-json", pools_json({0: "50%"}),
+                         "--set", "backend.memory.fs=hugetlbfs"))
+    assert m.docs == emulated.docs
 
 
 # --------------------------------------------------------------------------- classes
