@@ -771,8 +771,11 @@ def test_memory_pools_are_added_to_the_drivers_own_resources(helm: str) -> None:
      "driver.resources: hugepages-2Mi is the sum of backend.memory.pools, set by the chart"),
     (("-f", "MEMORY", "--set", "driver.resources.requests.memory=0.5Gi"),
      'driver.resources.requests.memory: "0.5Gi" is not a size in bytes, Ki, Mi, Gi or Ti'),
+    (("--set", "backend.type=memory,backend.memory.fs=hugetlbfs,backend.memory.pages=1G",
+      "--set", "backend.memory.poolsTotal=1536Mi"),
+     "backend.memory.poolsTotal: 1536Mi is not a whole number of 1G huge pages"),
 ], ids=["shares", "one-share", "total-with-sizes", "tiny", "1G-not-whole", "hugepages-given",
-        "own-request-unparsed"])
+        "own-request-unparsed", "total-not-whole-pages"])
 def test_memory_values_the_chart_cannot_request_fail_the_render(
         helm: str, args: tuple[str, ...], message: str) -> None:
     args = tuple(str(MEMORY_VALUES) if a == "MEMORY" else a for a in args)

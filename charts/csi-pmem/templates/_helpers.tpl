@@ -158,7 +158,12 @@ given as a share of its node: backend.memory.poolsTotal, or a failed render.
 {{- if not $m.poolsTotal -}}
 {{- fail (printf "backend.memory.pools: %s is a share of a NUMA node's memory, which the chart cannot know, so it cannot request the pools' memory for the driver (the scheduler would not see it): give each pool as a size (for example 64Gi), or set backend.memory.poolsTotal to what the pools add up to on these nodes" (join "," $shares)) -}}
 {{- end -}}
-{{- include "csi-pmem.bytes" (list $m.poolsTotal "backend.memory.poolsTotal") -}}
+{{- $total := include "csi-pmem.bytes" (list $m.poolsTotal "backend.memory.poolsTotal") | atoi -}}
+{{- $page := get (dict "2M" 2097152 "1G" 1073741824) $m.pages -}}
+{{- if and (eq $m.fs "hugetlbfs") (ne (mod $total $page) 0) -}}
+{{- fail (printf "backend.memory.poolsTotal: %s is not a whole number of %s huge pages (backend.memory.pages)" (toString $m.poolsTotal) $m.pages) -}}
+{{- end -}}
+{{- $total -}}
 {{- else -}}
 {{- if $m.poolsTotal -}}
 {{- fail (printf "backend.memory.poolsTotal: set to %s, but every pool has a size, and the chart requests their sum itself (%s); remove poolsTotal (it is only for pools given as a share, e.g. 50%%)" (toString $m.poolsTotal) (include "csi-pmem.quantity" $sum)) -}}
