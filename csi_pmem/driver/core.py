@@ -53,7 +53,7 @@ from csi_pmem.driver.host.filesystems import Usage
 from csi_pmem.driver.host.mounter import HostMounter, Mounter
 from csi_pmem.driver.locks import InFlight
 from csi_pmem.driver.node import NodePublisher
-from csi_pmem.driver.node.access import Access
+from csi_pmem.driver.node.access import Access, PublishRequest
 from csi_pmem.driver.node.devdax import DevdaxNode
 from csi_pmem.driver.node.fsdax import FsdaxNode
 from csi_pmem.driver.params import DEVDAX, FSDAX, VolumeParams
@@ -479,30 +479,30 @@ class Driver:
             rec = self.get(vid)
             self._node(rec).unstage(rec, path)
 
-    def publish(self, vid: str, target: str, readonly: bool, *, pod_uid: str | None = None,
-                mount_group: int | None = None, access_mode: str = "",
-                access: Access | None = None, staging: str = "") -> None:
+    def publish(self, vid: str, request: PublishRequest) -> None:
         """NodePublishVolume: the shared policy here (target paths, single writer), the
-        device mode's own story in its publisher (csi_pmem.driver.node)."""
-        target = self.check_target(target)
+        device mode's own story in its publisher (csi_pmem.driver.node).
+
+        The publisher gets ``request`` with the paths this policy settled: the checked
+        target, and the checked staging path for an fsdax volume or none for a devdax
+        one, so no publisher repeats a check or reads a path it must not use."""
+        target = self.check_target(request.target)
         with self.inflight.hold(vid, "NodePublishVolume"):
             rec = self.recovery.restore_if_lost(self.get(vid))
-            self._check_single_writer(rec, target, readonly, access_mode)
+            self._check_single_writer(rec, request)
             # Only fsdax file systems are staged; a devdax publish ignores the path.
-            staging = self.check_target(staging, "staging_target_path") \
-                if staging and rec.device_mode == FSDAX else ""
-            self._node(rec).publish(rec, target, readonly, access, staging,
-                                    mount_group=mount_group, pod_uid=pod_uid,
-                                    access_mode=access_mode)
+            staging = self.check_target(request.staging, "staging_target_path") \
+                if request.staging and rec.device_mode == FSDAX else ""
+            self._node(rec).publish(rec, replace(request, target=target, staging=staging))
 
     @staticmethod
-    def _check_single_writer(rec: VolumeRecord, target: str, readonly: bool,
-                             access_mode: str) -> None:
+    def _check_single_writer(rec: VolumeRecord, request: PublishRequest) -> None:
         """SINGLE_NODE_SINGLE_WRITER: one writable publication per volume on the node, in
         every device mode (a publication of the same target again is idempotent)."""
-        if access_mode != "SINGLE_NODE_SINGLE_WRITER" or readonly:
+        if request.access_mode != "SINGLE_NODE_SINGLE_WRITER" or request.readonly:
             return
-        writers = [t for t, p in rec.publications.items() if not p.readonly and t != target]
+        writers = [t for t, p in rec.publications.items()
+                   if not p.readonly and t != request.target]
         if writers:
             raise FailedPrecondition(
                 f"volume {rec.id} is SINGLE_NODE_SINGLE_WRITER and already published "

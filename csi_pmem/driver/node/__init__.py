@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from csi_pmem.driver.host.filesystems import Usage
-from csi_pmem.driver.node.access import Access
+from csi_pmem.driver.node.access import Access, PublishRequest
 from csi_pmem.driver.state import VolumeRecord
 
 
@@ -22,9 +22,9 @@ class NodePublisher(Protocol):
 
     def unstage(self, rec: VolumeRecord, path: str) -> None: ...
 
-    def publish(self, rec: VolumeRecord, target: str, readonly: bool, access: Access | None,
-                staging: str, *, mount_group: int | None, pod_uid: str | None,
-                access_mode: str) -> None: ...
+    def publish(self, rec: VolumeRecord, request: PublishRequest) -> None:
+        """Publish ``rec`` as ``request`` asks; the core already applied the shared policy
+        and cleared ``request.staging`` unless the volume is fsdax."""
 
     def owns(self, rec: VolumeRecord, target: str) -> bool:
         """Whether ``target`` is (or was being made) a publication of ``rec`` here."""
@@ -39,4 +39,4 @@ class NodePublisher(Protocol):
         publications, trusting mountinfo."""
 
 
-__all__ = ["Access", "NodePublisher"]
+__all__ = ["Access", "NodePublisher", "PublishRequest"]

@@ -38,7 +38,7 @@ from csi_pmem.driver.daxsock import DaxSocketServer
 from csi_pmem.driver.host import mounts
 from csi_pmem.driver.host.filesystems import Usage
 from csi_pmem.driver.host.mounter import Mounter
-from csi_pmem.driver.node.access import Access
+from csi_pmem.driver.node.access import Access, PublishRequest
 from csi_pmem.driver.node.busy import umount, while_busy
 from csi_pmem.driver.state import (
     PUBLISHED,
@@ -95,9 +95,12 @@ class DevdaxNode:
         """Nothing was staged."""
 
     # ------------------------------------------------------------------ publish
-    def publish(self, rec: VolumeRecord, target: str, readonly: bool, access: Access | None,
-                staging: str, *, mount_group: int | None, pod_uid: str | None,
-                access_mode: str) -> None:
+    def publish(self, rec: VolumeRecord, request: PublishRequest) -> None:
+        """A tmpfs at the target with volume.json and dax.sock. ``request.access`` does
+        not change it (the servicer refuses block access to a devdax volume, and a tmpfs
+        takes no file system options) and nothing was staged, so neither is read."""
+        target, readonly, pod_uid = request.target, request.readonly, request.pod_uid
+        mount_group = request.mount_group
         pub = rec.publications.get(target)
         current = self.mounter.find(target)
         if pub is not None and pub.state == PUBLISHED and current is not None \
@@ -110,7 +113,8 @@ class DevdaxNode:
             return
         self._check_target_free(rec.id, target, current)
         pub = Publication(target=target, readonly=readonly, state=PUBLISHING,
-                          pod_uid=pod_uid, mount_group=mount_group, access_mode=access_mode)
+                          pod_uid=pod_uid, mount_group=mount_group,
+                          access_mode=request.access_mode)
         rec.publications[target] = pub
         self.store.put(rec)
         failpoints.hit(failpoints.PUBLISH_AFTER_RECORD)

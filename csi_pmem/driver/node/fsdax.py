@@ -33,7 +33,7 @@ from csi_pmem import failpoints
 from csi_pmem.driver.backends.base import Backend, Namespace
 from csi_pmem.driver.host import filesystems, mounts
 from csi_pmem.driver.host.mounter import Mounter
-from csi_pmem.driver.node.access import Access
+from csi_pmem.driver.node.access import Access, PublishRequest
 from csi_pmem.driver.node.busy import umount
 from csi_pmem.driver.state import (
     BLOCK,
@@ -281,13 +281,11 @@ class FsdaxNode:
             log.info("unstaged %s from %s", rec.id, path)
 
     # ------------------------------------------------------------------ publish
-    def publish(self, rec: VolumeRecord, target: str, readonly: bool, access: Access | None,
-                staging: str, *, mount_group: int | None, pod_uid: str | None,
-                access_mode: str) -> None:
-        if access is None:
-            raise InvalidArgument(
-                f"volume {rec.id} is an fsdax volume: say whether to publish it as a "
-                "block device or a file system")
+    def publish(self, rec: VolumeRecord, request: PublishRequest) -> None:
+        """Bind the device (block) or the staged file system (mount) onto the target;
+        ``request.access`` says which, and a file system needs ``request.staging``."""
+        target, readonly, access = request.target, request.readonly, request.access
+        staging, mount_group = request.staging, request.mount_group
         ns = self._namespace(rec)
         rdev = self._rdev(ns.device)
         pub = rec.publications.get(target)
@@ -307,8 +305,9 @@ class FsdaxNode:
         else:
             source = ns.device
             self._check_file_target(target)
-        pub = Publication(target=target, readonly=readonly, state=PUBLISHING, pod_uid=pod_uid,
-                          mount_group=mount_group, access_mode=access_mode, kind=access.kind,
+        pub = Publication(target=target, readonly=readonly, state=PUBLISHING,
+                          pod_uid=request.pod_uid, mount_group=mount_group,
+                          access_mode=request.access_mode, kind=access.kind,
                           staging=staging if access.kind == MOUNT else "")
         rec.publications[target] = pub
         self.store.put(rec)
@@ -341,7 +340,7 @@ class FsdaxNode:
         self.store.put(rec)
         log.info("published %s at %s as %s (readonly=%s, pod %s)", rec.id, target,
                  "a block device" if access.kind == BLOCK else f"{access.fs_type} from "
-                 f"{staging}", readonly, pod_uid or "-")
+                 f"{staging}", readonly, request.pod_uid or "-")
 
     def _staged_source(self, rec: VolumeRecord, staging: str, rdev: int) -> str:
         if not staging:

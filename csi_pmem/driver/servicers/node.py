@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from csi_pmem.csi import csi_pb2, csi_pb2_grpc
 from csi_pmem.driver.core import Driver
-from csi_pmem.driver.node import Access
+from csi_pmem.driver.node import Access, PublishRequest
 from csi_pmem.driver.params import FSDAX
 from csi_pmem.driver.servicers.capabilities import (
     READ_ONLY_MODES,
@@ -73,12 +73,14 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self.driver.unstage(request.volume_id, request.staging_target_path)
         return csi_pb2.NodeUnstageVolumeResponse()
 
-    @rpc
-    def NodePublishVolume(self, request, context):
-        require(request, "volume_id", "target_path", "volume_capability")
+    def _publish_request(self, request) -> PublishRequest:
+        """Validate a NodePublishVolumeRequest once; what it asks, for every level below.
+
+        Why here: the CSI message is read in one place, so the core and the publishers
+        see only checked values (a numeric group, a pod UID without "/") and the
+        VolumeCapability already turned into an :class:`Access`."""
         access = self._access(request.volume_id, request.volume_capability)
         cap = request.volume_capability
-        readonly = request.readonly or cap.access_mode.mode in READ_ONLY_MODES
         group = cap.mount.volume_mount_group
         # A gid_t, and not (gid_t)-1, which chown() reads as "leave the group alone".
         if group and not (group.isascii() and group.isdecimal() and len(group) <= 10
@@ -90,11 +92,17 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             # Checked here, not only when the socket is first served, so that a repeated
             # publish gets the same answer as the first one.
             raise InvalidArgument(f"{POD_UID_KEY} {pod_uid!r} is not a pod UID")
-        self.driver.publish(request.volume_id, request.target_path, readonly,
-                            pod_uid=pod_uid,
-                            mount_group=int(group) if group else None,
-                            access_mode=mode_name(cap), access=access,
-                            staging=request.staging_target_path)
+        return PublishRequest(
+            target=request.target_path,
+            readonly=request.readonly or cap.access_mode.mode in READ_ONLY_MODES,
+            access=access, staging=request.staging_target_path,
+            mount_group=int(group) if group else None, pod_uid=pod_uid,
+            access_mode=mode_name(cap))
+
+    @rpc
+    def NodePublishVolume(self, request, context):
+        require(request, "volume_id", "target_path", "volume_capability")
+        self.driver.publish(request.volume_id, self._publish_request(request))
         return csi_pb2.NodePublishVolumeResponse()
 
     @rpc
