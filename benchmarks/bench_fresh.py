@@ -154,7 +154,7 @@ def ours(node: bool = False, settings: dict[str, str] | None = None, **kw: Any) 
     ``node``: from a published directory whose gpu.sock reaches the copy service;
     ``settings``: the loader's environment variables for this variant."""
     def setup(ctx: Ctx) -> None:
-        import csi_pmem.loader.gpu  # noqa: F401  (as peers import theirs before the clock)
+        import csi_pmem.loader.gpu.loader  # noqa: F401  (as peers import theirs before the clock)
 
         if node:
             import cuda.bindings.driver  # noqa: F401  (what the node path calls)

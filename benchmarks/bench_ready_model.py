@@ -615,7 +615,7 @@ def worker(args: argparse.Namespace) -> int:
                 importlib.import_module(name)
         elif method.startswith("csi-pmem"):
             import csi_pmem.loader
-            import csi_pmem.loader.gpu  # noqa: F401
+            import csi_pmem.loader.gpu.loader  # noqa: F401
             if method == NODE:
                 import cuda.bindings.driver  # what the node path calls, before the clock
     except ImportError as exc:

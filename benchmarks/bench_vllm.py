@@ -188,7 +188,7 @@ def _nothing() -> str:
 def ours(node: bool = False, verify: bool = True, ahead: int | None = None) -> Method:
     def setup(ctx: bf.Ctx) -> None:
         import csi_pmem.loader.batches
-        import csi_pmem.loader.gpu  # noqa: F401
+        import csi_pmem.loader.gpu.loader  # noqa: F401
 
         if node:
             import cuda.bindings.driver  # noqa: F401

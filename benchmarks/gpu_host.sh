@@ -24,8 +24,8 @@ _gpu_host() {
   else
     echo "gpu_host: no .whl/ (benchmarks/fetch_peer_wheels.sh, carried to this host): the peers will be 'not installed'"
   fi
-  gcc -O2 -std=gnu11 -shared -fPIC -o "${root}/csi_pmem/loader/_native/bounce.so" \
-    "${root}/csi_pmem/loader/_native/bounce.c" -ldl -lpthread || return 1
+  gcc -O2 -std=gnu11 -shared -fPIC -o "${root}/csi_pmem/loader/gpu/_native/bounce.so" \
+    "${root}/csi_pmem/loader/gpu/_native/bounce.c" -ldl -lpthread || return 1
   echo "gpu_host: native bounce loop built"
   mkdir -p /mnt/h
   if ! mountpoint -q /mnt/h; then

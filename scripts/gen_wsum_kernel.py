@@ -1,4 +1,4 @@
-"""Compile csi_pmem/loader/_native/wsum_kernel.cu; write csi_pmem/loader/wsum_kernel.py.
+"""Compile csi_pmem/loader/gpu/_native/wsum_kernel.cu; write csi_pmem/loader/gpu/wsum_kernel.py.
 
 Why compiled code in the repository: the loader runs in inference pods, which have the
 GPU driver (libcuda, reached through cuda-python) and no CUDA toolkit. A cubin for the
@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "csi_pmem" / "loader" / "_native" / "wsum_kernel.cu"
-OUT = ROOT / "csi_pmem" / "loader" / "wsum_kernel.py"
+SOURCE = ROOT / "csi_pmem" / "loader" / "gpu" / "_native" / "wsum_kernel.cu"
+OUT = ROOT / "csi_pmem" / "loader" / "gpu" / "wsum_kernel.py"
 PTX_ARCH = "compute_70"
 CUBIN_ARCHS = (80, 86, 89, 90)  # A100; A10/A40; L4/L40S; H100/H200
 

@@ -46,7 +46,7 @@ if [ ! -f "$base" ]; then
   rm -f "$VENV"/.base-*
   touch "$base"
 fi
-stamp=$VENV/.installed-$(cat pyproject.toml setup.py csi_pmem/loader/_native/bounce.c \
+stamp=$VENV/.installed-$(cat pyproject.toml setup.py csi_pmem/loader/gpu/_native/bounce.c \
   | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
   # The build backend is the venv's setuptools (from the wheelhouse): no build isolation,

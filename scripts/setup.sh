@@ -42,8 +42,8 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   exit 1
 fi
 # setup.py and the C source: the editable install compiles the loader's native bounce
-# loop in place (csi_pmem/loader/_native/bounce.c), so a change to either reinstalls.
-stamp=.venv/.installed-$(cat pyproject.toml setup.py csi_pmem/loader/_native/bounce.c | sha256sum | cut -c1-16)
+# loop in place (csi_pmem/loader/gpu/_native/bounce.c), so a change to either reinstalls.
+stamp=.venv/.installed-$(cat pyproject.toml setup.py csi_pmem/loader/gpu/_native/bounce.c | sha256sum | cut -c1-16)
 # Said before each step: on a fresh clone they take about a minute together, and pip -q
 # prints nothing but setuptools' warnings meanwhile.
 if [ ! -f "$stamp" ]; then

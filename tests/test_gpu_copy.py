@@ -39,8 +39,8 @@ from csi_pmem.gpucopy.copier import FAKE_GPU, FakeCopier
 from csi_pmem.gpucopy.link import ServiceLink, ServiceUnavailable
 from csi_pmem.gpucopy.service import CopyService
 from csi_pmem.loader import open_model, open_volume, stage
-from csi_pmem.loader.nodecopy import NodeCopyError, Session, request_copies, service_socket
-from csi_pmem.loader.plan import place, runs
+from csi_pmem.loader.gpu.chunks import place, runs
+from csi_pmem.loader.gpu.nodecopy import NodeCopyError, Session, request_copies, service_socket
 from csi_pmem.weights import layout
 
 import loader_models as lm

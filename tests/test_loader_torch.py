@@ -148,8 +148,7 @@ def test_auto_mode_registers_a_reused_mapping(models):
 
 @cuda
 def test_refused_registration_falls_back_loudly(models, monkeypatch, caplog):
-    from csi_pmem.loader import registered
-    from csi_pmem.loader.gpu import GpuLoader
+    from csi_pmem.loader.gpu import GpuLoader, registered
 
     def refuse(self, start, end):
         raise registered.RegistrationError("cudaHostRegister refused (simulated)")
@@ -168,8 +167,8 @@ def test_refused_registration_falls_back_loudly(models, monkeypatch, caplog):
 @pytest.mark.parametrize("where", ["data", "header"])
 @pytest.mark.parametrize("kernel", ["auto", "torch"])
 def test_gpu_load_refuses_corrupt_data(models, mode, where, kernel, monkeypatch):
-    from csi_pmem.loader import gpuverify
     from csi_pmem.loader.gpu import GpuLoader
+    from csi_pmem.loader.gpu import verify as gpuverify
     from csi_pmem.loader.model import open_model
 
     vol = lm.staged_volume(models / "np", models / "v")
@@ -203,7 +202,7 @@ def test_a_bad_chunk_in_an_early_batch_fails_the_load(tmp_path, monkeypatch):
     first of several batches, still fails the load."""
     import numpy as np
 
-    from csi_pmem.loader import gpuverify
+    from csi_pmem.loader.gpu import verify as gpuverify
     from csi_pmem.loader.model import open_model
 
     monkeypatch.setattr(gpuverify, "BATCH", 1)  # every complete chunk is its own batch
@@ -226,7 +225,7 @@ def test_a_bad_chunk_in_an_early_batch_fails_the_load(tmp_path, monkeypatch):
 def test_device_sums_equal_the_host_sums():
     import numpy as np
 
-    from csi_pmem.loader import devsums
+    from csi_pmem.loader.gpu import devsums
     from csi_pmem.weights import wsum
 
     rng = np.random.default_rng(3)
@@ -245,7 +244,7 @@ def test_sums_sharing_one_read_back_equal_the_host_sums():
     it belongs."""
     import numpy as np
 
-    from csi_pmem.loader import devsums
+    from csi_pmem.loader.gpu import devsums
     from csi_pmem.weights import wsum
 
     rng = np.random.default_rng(5)
@@ -272,7 +271,7 @@ def test_the_checksum_kernel_equals_the_host_sums(monkeypatch):
     last word, results over several pages read back more than once) equal numpy's."""
     import numpy as np
 
-    from csi_pmem.loader import kernelsum
+    from csi_pmem.loader.gpu import kernelsum
     from csi_pmem.weights import wsum
 
     monkeypatch.setattr(kernelsum, "PAGE", 4)
@@ -299,7 +298,8 @@ def test_the_checksum_kernel_equals_the_host_sums(monkeypatch):
 @cuda
 def test_a_verified_load_uses_the_kernel(models, monkeypatch):
     """A default verified load sums with the project's kernel, not torch's reductions."""
-    from csi_pmem.loader import devsums, gpuverify, kernelsum
+    from csi_pmem.loader.gpu import devsums, kernelsum
+    from csi_pmem.loader.gpu import verify as gpuverify
 
     made = []
     real = gpuverify.device_sums
@@ -358,8 +358,7 @@ def bounce_warnings(caplog) -> list[str]:
 def test_a_file_on_a_dax_mount_is_never_registered(models, tmp_path, monkeypatch, caplog,
                                                    mode):
     """fsdax: the kernel refuses the pins, so the loader must not even try."""
-    from csi_pmem.loader import registered
-    from csi_pmem.loader.gpu import GpuLoader
+    from csi_pmem.loader.gpu import GpuLoader, registered
     from csi_pmem.loader.model import open_model
     from csi_pmem.weights import mapping as mapping_mod
 
@@ -371,7 +370,7 @@ def test_a_file_on_a_dax_mount_is_never_registered(models, tmp_path, monkeypatch
     fake = lm.fake_mountinfo(tmp_path / "mountinfo",
                              [(str(models), "ext4", "/dev/pmem0", "rw,dax=always")], vol)
     monkeypatch.setattr(mapping_mod, "MOUNTINFO", str(fake))
-    caplog.set_level("INFO", logger="csi_pmem.loader.gpu")
+    caplog.set_level("INFO", logger="csi_pmem.loader.gpu.loader")
     with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=2, mode=mode) as loader, \
             open_volume(vol) as v:
         assert "DAX file system" in (v.registration_refused_reason or "")
@@ -419,8 +418,7 @@ def test_cuda_host_register_raising_falls_back_with_one_warning(models, monkeypa
 @cuda
 @pytest.mark.skipif(not lm.can_make_loop_devices(), reason="needs root and losetup")
 def test_a_block_device_loads_through_bounce_buffers(models, monkeypatch):
-    from csi_pmem.loader import registered
-    from csi_pmem.loader.gpu import GpuLoader
+    from csi_pmem.loader.gpu import GpuLoader, registered
 
     def must_not_register(self, start, end):
         raise AssertionError("a block device's mapping was registered")
@@ -457,7 +455,6 @@ def test_both_bounce_copies_are_bit_exact(models, monkeypatch, copy):
     (or a missing cuda-python) falls back to."""
     if copy == "driver" and not _cuda_bindings():
         pytest.skip("needs cuda-bindings")
-    from csi_pmem.loader.bounce import _DriverCopy
     from csi_pmem.loader.gpu import GpuLoader
 
     monkeypatch.setenv("CSI_PMEM_BOUNCE_COPY", copy)
@@ -465,7 +462,7 @@ def test_both_bounce_copies_are_bit_exact(models, monkeypatch, copy):
     with GpuLoader("cuda:0", buffers=3, buffer_size=4096, threads=3, mode="bounce") as loader, \
             open_volume(vol) as v:
         got = load_safetensors(v, "cuda:0", loader=loader)
-        assert isinstance(loader._backend._copy, _DriverCopy) == (copy == "driver")
+        assert (loader._backend.driver_copy is not None) == (copy == "driver")
     assert_same(got, reference(models / "sharded"))
 
 
@@ -496,7 +493,7 @@ def test_a_node_copied_file_in_two_allocations_is_bit_exact(tmp_path, monkeypatc
     """The first file's head is its own exportable allocation (nodecopy.NODE_HEAD, shrunk
     here to 4 MiB so that a 16 MiB tensor spans the cut): its copies stop at the cut,
     both parts are copied into, and the tensors are views across both."""
-    from csi_pmem.loader import nodecopy
+    from csi_pmem.loader.gpu import nodecopy
 
     made: list[list[tuple[int, int]]] = []
     real = nodecopy.ExportableAllocation
@@ -520,7 +517,7 @@ def test_an_allocation_in_two_parts_is_one_range():
     written across the cut, and each part exports its own fd."""
     import os
 
-    from csi_pmem.loader.nodecopy import ExportableAllocation
+    from csi_pmem.loader.gpu.nodecopy import ExportableAllocation
 
     alloc = ExportableAllocation(0, 8 << 20, head=2 << 20)
     try:
@@ -565,7 +562,7 @@ def test_the_cuda_copier_takes_back_discarded_events():
     import os
 
     from csi_pmem.gpucopy.cuda import CudaCopier
-    from csi_pmem.loader.nodecopy import ExportableAllocation
+    from csi_pmem.loader.gpu.nodecopy import ExportableAllocation
 
     copier = CudaCopier()
     alloc = ExportableAllocation(0, 4 << 20)

@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
-# gpuverify imports no torch at module level. It is imported here, with the loader, and
+from csi_pmem.loader.cpu import WRITES, numpy_view, resolve_writes, torch_view
+
+# gpu.verify imports no torch at module level. It is imported here, with the loader, and
 # not inside start_load: there, the import was most of the 4.5-7.3 ms that setting up
 # the check took inside a verified node-path load of 0.25 s in fresh processes.
-from csi_pmem.loader import gpuverify
-from csi_pmem.loader.cpu import WRITES, numpy_view, resolve_writes, torch_view
+from csi_pmem.loader.gpu import verify as gpuverify
 from csi_pmem.loader.model import ModelView, open_model
 from csi_pmem.weights import checksum
 from csi_pmem.weights.errors import ChecksumError, LoaderError
@@ -102,7 +103,7 @@ _loaders_lock = threading.Lock()
 
 def default_loader(device: str) -> Any:
     """One shared :class:`GpuLoader` per device (buffers are allocated once)."""
-    from csi_pmem.loader.gpu import GpuLoader
+    from csi_pmem.loader.gpu.loader import GpuLoader
 
     with _loaders_lock:
         loader = _loaders.get(device)

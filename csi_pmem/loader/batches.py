@@ -26,7 +26,7 @@ the service copies the one before. In-pod batches share the loader's pinned buff
 and run one at a time: one ahead is all they can use.
 
 Verification: every batch's bytes are summed on the device as it lands, a chunk two
-batches share in two pieces (:mod:`.batchcheck` says why), and the files that check
+batches share in two pieces (:mod:`.gpu.batchcheck` says why), and the files that check
 cannot take (a subset of a file, SHA-256 volumes, no CUDA) are hashed on the host beside
 each batch's copy. :meth:`BatchedLoad.verified` raises
 :class:`~csi_pmem.weights.errors.ChecksumError` after the last batch: a damaged chunk
@@ -42,9 +42,9 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from csi_pmem.loader import nodecopy
 from csi_pmem.loader.api import LoadHandle, damaged, start_load
-from csi_pmem.loader.batchcheck import BatchCheck, for_load
+from csi_pmem.loader.gpu import nodecopy
+from csi_pmem.loader.gpu.batchcheck import BatchCheck, for_load
 from csi_pmem.loader.model import ModelView
 from csi_pmem.sizes import GiB, describe_size
 from csi_pmem.weights.stformat import TensorInfo
@@ -59,7 +59,7 @@ def plan_batches(selection: dict[str, list[TensorInfo]],
                  limit: int) -> list[list[TensorInfo]]:
     """The tensors in volume order, cut into runs of at most ``limit`` bytes each (a
     larger tensor is a run alone). Runs do not cross files: a run within one file is
-    one device allocation, its bytes as on the volume, which :mod:`.batchcheck` sums."""
+    one device allocation, its bytes as on the volume, which :mod:`.gpu.batchcheck` sums."""
     batches: list[list[TensorInfo]] = []
     for tensors in selection.values():
         run: list[TensorInfo] = []

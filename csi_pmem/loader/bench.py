@@ -12,10 +12,10 @@ import ctypes
 import time
 from dataclasses import dataclass
 
-from csi_pmem.loader import plan
 from csi_pmem.loader.api import start_load
+from csi_pmem.loader.gpu import chunks as planning
+from csi_pmem.loader.gpu.pipeline import BouncePipeline
 from csi_pmem.loader.model import ModelView
-from csi_pmem.loader.pipeline import BouncePipeline
 from csi_pmem.numa import node_cpus
 from csi_pmem.sizes import MiB
 from csi_pmem.weights import checksum
@@ -60,7 +60,7 @@ class _HostBackend:
     def buffer_address(self, buf: int) -> int:
         return self.addresses[buf]
 
-    def transfer(self, buf: int, chunk: plan.Chunk) -> None:
+    def transfer(self, buf: int, chunk: planning.Chunk) -> None:
         if self.dest is not None:
             ctypes.memmove(self.dest_addr + chunk.dst, self.addresses[buf], chunk.nbytes)
 
@@ -99,10 +99,10 @@ def run_cpu(view: ModelView, *, threads: int = 12, buffers: int = 24,
     backend = _HostBackend(buffers, buffer_size, None)
     pipe = BouncePipeline(backend, buffers, buffer_size, nthreads, cpus=cpus)
     try:
-        chunks: list[plan.Chunk] = []
+        chunks: list[planning.Chunk] = []
         for i, ts in enumerate(selection.values()):
-            placements, _ = plan.place(ts)
-            chunks += plan.bounce_chunks(placements, buffer_size, i, len(chunks))
+            placements, _ = planning.place(ts)
+            chunks += planning.bounce_chunks(placements, buffer_size, i, len(chunks))
         fill_s = _best(lambda: pipe.run(chunks, view.volume.address, lambda c: None), repeat)
     finally:
         pipe.close()

@@ -234,7 +234,7 @@ load_numpy(vol)
 
 def test_the_loaders_warnings_still_reach_an_unconfigured_program(capsys, monkeypatch):
     monkeypatch.setattr(logging.getLogger(), "handlers", [])  # pytest's own, put back
-    logging.getLogger("csi_pmem.loader.gpu").warning("slower path: %s", "why")
+    logging.getLogger("csi_pmem.loader.gpu.loader").warning("slower path: %s", "why")
     err = capsys.readouterr().err
     assert "slower path: why" in err, err
 

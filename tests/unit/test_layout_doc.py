@@ -96,16 +96,17 @@ def test_the_check_reports_exactly_the_missing_and_the_stale_names(tmp_path):
         "csi_pmem/cli.py",
         "csi_pmem/driver/__init__.py",
         "csi_pmem/driver/daxsock.py",
-        "csi_pmem/loader/_native/bounce.c",
+        "csi_pmem/loader/gpu/_native/bounce.c",
         "csi_pmem/driver/__pycache__/daxsock.cpython-311.pyc",
-        "csi_pmem/loader/_native/bounce.cpython-311-x86_64-linux-gnu.so",
+        "csi_pmem/loader/gpu/_native/bounce.cpython-311-x86_64-linux-gnu.so",
     ):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("")
     good = (
         "`csi_pmem/`, `csi_pmem/cli.py`. The driver: `csi_pmem/driver/`, with "
         "`csi_pmem/driver/daxsock.py` (see csi_pmem.driver.daxsock). "
-        "`csi_pmem/loader/` `csi_pmem/loader/_native/` `csi_pmem/loader/_native/bounce.c`"
+        "`csi_pmem/loader/` `csi_pmem/loader/gpu/` `csi_pmem/loader/gpu/_native/` "
+        "`csi_pmem/loader/gpu/_native/bounce.c`"
     )
     assert missing(good, tmp_path) == []
     assert stale(good, tmp_path) == []

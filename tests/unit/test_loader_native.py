@@ -1,4 +1,4 @@
-"""The native bounce loop (csi_pmem/loader/_native/bounce.c) on its fake device, without a GPU.
+"""The native bounce loop (csi_pmem/loader/gpu/_native/bounce.c) on its fake device, without a GPU.
 
 In fake mode a transfer lands only when its buffer is next waited for, as a copy engine
 may still read a pinned buffer long after the transfer was queued: a loop that refilled
@@ -19,21 +19,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_loader_pipeline import random_model, tensors_from
 
-from csi_pmem.loader import native, plan
+from csi_pmem.loader.gpu import chunks as planning
+from csi_pmem.loader.gpu import native
 from csi_pmem.weights.errors import LoaderError
 
 
 def fake_run(source: bytes, tensors, *, nbuffers=3, size=1000, threads=3, on_done=None,
              src_fd=-1):
-    placements, total = plan.place(tensors)
-    chunks = plan.bounce_chunks(placements, size)
+    placements, total = planning.place(tensors)
+    chunks = planning.bounce_chunks(placements, size)
     dest = ctypes.create_string_buffer(max(total, 1))
     flat = native.plan_bounce([placements], [ctypes.addressof(dest)], size)
     assert flat.chunks == native.flatten([chunks], [ctypes.addressof(dest)]).chunks
     src = ctypes.create_string_buffer(source, len(source))
     buffers = [ctypes.create_string_buffer(size) for _ in range(nbuffers)]
     ready = bytearray(nbuffers)
-    completion = plan.Completion(placements, chunks)
+    completion = planning.Completion(placements, chunks)
     finished = list(completion.ready)
     reported: list[int] = []
 
@@ -53,7 +54,7 @@ def fake_run(source: bytes, tensors, *, nbuffers=3, size=1000, threads=3, on_don
 
 def test_the_library_is_built():
     assert native.library() is not None, \
-        "csi_pmem/loader/_native/bounce*.so is missing: pip install -e . builds it (needs gcc)"
+        "csi_pmem/loader/gpu/_native/bounce*.so is missing: pip install -e . builds it (needs gcc)"
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -171,7 +172,7 @@ def test_a_callback_error_stops_the_loop_and_is_raised():
 
 
 def test_a_chunk_larger_than_its_buffer_is_an_error():
-    chunk = plan.Chunk(0, 0, 0, 64, (plan.Piece(0, 0, 64),))
+    chunk = planning.Chunk(0, 0, 0, 64, (planning.Piece(0, 0, 64),))
     src = ctypes.create_string_buffer(64)
     dest = ctypes.create_string_buffer(64)
     buf = ctypes.create_string_buffer(32)
@@ -188,7 +189,7 @@ def test_a_chunk_larger_than_its_buffer_is_an_error():
        buffer_size=st.integers(1, 4096), targets=st.integers(1, 3))
 def test_the_native_planner_cuts_what_the_python_one_does(sizes, gaps, skip, buffer_size,
                                                           targets):
-    """csi_bounce_plan and plan.bounce_chunks make the same chunks and pieces, in the
+    """csi_bounce_plan and chunks.bounce_chunks make the same chunks and pieces, in the
     same order, for whole files and subsets (skipped tensors leave holes), over
     several targets with their own device bases; the flat plan's spans and bounds say
     where each chunk lands."""
@@ -196,9 +197,9 @@ def test_the_native_planner_cuts_what_the_python_one_does(sizes, gaps, skip, buf
     chosen = [t for t, s in zip(ts, skip, strict=False) if not s] or ts
     by_target, chunks_by_target, seq = [], [], 0
     for i in range(targets):
-        placements, _ = plan.place(chosen[i::targets])
+        placements, _ = planning.place(chosen[i::targets])
         by_target.append(placements)
-        chunks_by_target.append(plan.bounce_chunks(placements, buffer_size, i, seq))
+        chunks_by_target.append(planning.bounce_chunks(placements, buffer_size, i, seq))
         seq += len(chunks_by_target[-1])
     bases = [(i + 1) << 40 for i in range(targets)]
     flat = native.plan_bounce(by_target, bases, buffer_size)
@@ -217,16 +218,16 @@ def test_the_native_planner_at_every_buffer_size(seed):
     windows that a run fills exactly, or misses by one byte, are rare for random sizes."""
     rnd = random.Random(seed)
     ts, _ = random_model(rnd, 12)
-    placements, total = plan.place([t for t in ts if rnd.random() < 0.7])
+    placements, total = planning.place([t for t in ts if rnd.random() < 0.7])
     for size in range(1, total + 2):
         flat = native.plan_bounce([placements], [0], size)
-        want = native.flatten([plan.bounce_chunks(placements, size)], [0])
+        want = native.flatten([planning.bounce_chunks(placements, size)], [0])
         assert (flat.chunks, flat.pieces) == (want.chunks, want.pieces), size
 
 
 def test_the_native_planner_refuses_an_empty_buffer():
     with pytest.raises(ValueError, match="buffer_size"):
-        native.plan_bounce([[plan.Placement("a", 0, 0, 8)]], [0], 0)
+        native.plan_bounce([[planning.Placement("a", 0, 0, 8)]], [0], 0)
 
 
 def test_the_switch(monkeypatch):
@@ -240,7 +241,7 @@ def test_the_switch(monkeypatch):
 def test_without_libcuda_the_gpu_mode_says_what_is_missing():
     """On a host without a CUDA driver (CI), a non-fake run fails with a clear error
     instead of crashing; the GPU loader never asks for it there."""
-    chunk = plan.Chunk(0, 0, 0, 8, (plan.Piece(0, 0, 8),))
+    chunk = planning.Chunk(0, 0, 0, 8, (planning.Piece(0, 0, 8),))
     src = ctypes.create_string_buffer(8)
     buf = ctypes.create_string_buffer(8)
     try:

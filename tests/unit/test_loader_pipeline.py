@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from csi_pmem.loader import plan
-from csi_pmem.loader.pipeline import BouncePipeline
-from csi_pmem.loader.registered import register_pieces
+from csi_pmem.loader.gpu import chunks as planning
+from csi_pmem.loader.gpu.pipeline import BouncePipeline
+from csi_pmem.loader.gpu.registered import register_pieces
 from csi_pmem.numa import node_cpus, parse_cpulist
 from csi_pmem.weights.mapping import buffer_address
 from csi_pmem.weights.stformat import TensorInfo
@@ -30,7 +30,7 @@ class LazyDevice:
         self.buffers = [bytearray(size) for _ in range(nbuffers)]
         self.addresses = [buffer_address(b) for b in self.buffers]
         self.dest = dest
-        self.pending: dict[int, plan.Chunk] = {}
+        self.pending: dict[int, planning.Chunk] = {}
         self.lock = threading.Lock()
         self.max_inflight = 0
         self.jitter = jitter
@@ -40,7 +40,7 @@ class LazyDevice:
             assert buf not in self.pending, "buffer refilled while its transfer is queued"
         return self.addresses[buf]
 
-    def transfer(self, buf: int, chunk: plan.Chunk) -> None:
+    def transfer(self, buf: int, chunk: planning.Chunk) -> None:
         with self.lock:
             self.pending[buf] = chunk
             self.max_inflight = max(self.max_inflight, len(self.pending))
@@ -63,12 +63,12 @@ def tensors_from(sizes: list[int], gaps: list[int] | None = None) -> list[Tensor
 
 
 def run_pipeline(source: bytes, tensors, *, nbuffers=3, size=1000, threads=3, jitter=0.0):
-    placements, total = plan.place(tensors)
-    chunks = plan.bounce_chunks(placements, size)
+    placements, total = planning.place(tensors)
+    chunks = planning.bounce_chunks(placements, size)
     dest = bytearray(total)
     dev = LazyDevice(nbuffers, size, dest, jitter)
     src = ctypes.create_string_buffer(source, len(source))
-    completion = plan.Completion(placements, chunks)
+    completion = planning.Completion(placements, chunks)
     finished = list(completion.ready)
     pipe = BouncePipeline(dev, nbuffers, size, threads)
     try:
@@ -102,10 +102,10 @@ def test_node_cpus_intersects_allowed(tmp_path):
 def test_place_keeps_contiguous_runs_and_alignment():
     ts = [TensorInfo("a", "F32", (4,), 1000, 16), TensorInfo("b", "F32", (4,), 1016, 16),
           TensorInfo("c", "F16", (3,), 5000, 6), TensorInfo("e", "F32", (0,), 6000, 0)]
-    placements, total = plan.place(ts)
+    placements, total = planning.place(ts)
     a, b, c, e = placements
     assert b.dst == a.dst + 16  # contiguous in the file -> contiguous on the device
-    assert c.dst % plan.GRANULE == 5000 % plan.GRANULE and c.dst >= b.dst + 16
+    assert c.dst % planning.GRANULE == 5000 % planning.GRANULE and c.dst >= b.dst + 16
     assert a.dst % 4 == 1000 % 4
     assert total == max(p.dst + p.nbytes for p in placements)
     assert e.nbytes == 0
@@ -113,8 +113,8 @@ def test_place_keeps_contiguous_runs_and_alignment():
 
 def test_bounce_chunks_cover_every_byte_once_and_fit():
     ts = tensors_from([10, 3000, 1, 0, 999, 1000, 1001, 5], gaps=[0, 7, 0, 0, 300, 0, 1, 2])
-    placements, _ = plan.place(ts)
-    chunks = plan.bounce_chunks(placements, 1000)
+    placements, _ = planning.place(ts)
+    chunks = planning.bounce_chunks(placements, 1000)
     covered = []
     for c in chunks:
         assert 0 < c.nbytes <= 1000
@@ -126,8 +126,8 @@ def test_bounce_chunks_cover_every_byte_once_and_fit():
 
 def test_direct_chunks_split_at_registration_boundaries():
     ts = [TensorInfo("x", "U8", (5000,), 100, 5000)]
-    placements, _ = plan.place(ts)
-    chunks = plan.direct_chunks(placements, 2000, boundaries=[1000, 4096])
+    placements, _ = planning.place(ts)
+    chunks = planning.direct_chunks(placements, 2000, boundaries=[1000, 4096])
     spans = [(c.pieces[0].src, c.pieces[0].src + c.nbytes) for c in chunks]
     assert spans == [(100, 1000), (1000, 3000), (3000, 4096), (4096, 5100)]
     assert all(c.dst - placements[0].dst == c.pieces[0].src - 100 for c in chunks)
@@ -156,8 +156,8 @@ def test_pipeline_bytes_exact_with_lazy_device(seed):
 
 def test_pipeline_reports_a_failing_memcpy_and_recovers():
     ts = tensors_from([500] * 20)
-    placements, _ = plan.place(ts)
-    chunks = plan.bounce_chunks(placements, 1000)
+    placements, _ = planning.place(ts)
+    chunks = planning.bounce_chunks(placements, 1000)
     dest = bytearray(10_000)
     dev = LazyDevice(2, 1000, dest)
     calls = []
@@ -184,9 +184,9 @@ def test_pipeline_reports_a_failing_memcpy_and_recovers():
 
 def test_completion_counts_tensors_spanning_chunks():
     ts = tensors_from([2500, 10, 0])
-    placements, _ = plan.place(ts)
-    chunks = plan.bounce_chunks(placements, 1000)
-    comp = plan.Completion(placements, chunks)
+    placements, _ = planning.place(ts)
+    chunks = planning.bounce_chunks(placements, 1000)
+    comp = planning.Completion(placements, chunks)
     assert comp.ready == ["t2"]
     done = [comp.done(c) for c in chunks]
     assert done[:2] == [[], []] and sorted(done[2]) == ["t0", "t1"]
@@ -200,15 +200,15 @@ def test_register_pieces_are_per_file_and_stable_under_subsets():
     assert set(register_pieces(files[1:], step=2048)) <= set(pieces)
 
 
-def _pieces_of(sizes: list[int]) -> list[list[plan.Chunk]]:
+def _pieces_of(sizes: list[int]) -> list[list[planning.Chunk]]:
     seq = iter(range(10_000))
-    return [[plan.Chunk(next(seq), 0, 0, 1, (plan.Piece(0, 0, 1),)) for _ in range(n)]
+    return [[planning.Chunk(next(seq), 0, 0, 1, (planning.Piece(0, 0, 1),)) for _ in range(n)]
             for n in sizes]
 
 
 def test_meet_in_the_middle_hands_out_every_chunk_once():
     by_piece = _pieces_of([3, 0, 2, 4, 1, 5])
-    sides = plan.MeetInTheMiddle(by_piece)
+    sides = planning.MeetInTheMiddle(by_piece)
     got: list[int] = []
     lock = threading.Lock()
 
@@ -238,7 +238,7 @@ def test_meet_in_the_middle_hands_out_every_chunk_once():
 
 def test_a_piece_given_back_goes_to_the_back_side():
     by_piece = _pieces_of([2, 2, 2])
-    sides = plan.MeetInTheMiddle(by_piece)
+    sides = planning.MeetInTheMiddle(by_piece)
     first = sides.claim_front()
     assert first == 0
     sides.give_back(first)  # its registration failed
@@ -251,7 +251,7 @@ def test_a_piece_given_back_goes_to_the_back_side():
 def test_bounce_copy_choice_is_checked(monkeypatch):
     """CSI_PMEM_BOUNCE_COPY picks the transfer; a typo is a loader error naming both
     choices, and ``torch`` never touches cuda-python."""
-    from csi_pmem.loader.bounce import _driver_copy
+    from csi_pmem.loader.gpu.bounce import _driver_copy
     from csi_pmem.weights.errors import LoaderError
 
     monkeypatch.setenv("CSI_PMEM_BOUNCE_COPY", "torch")

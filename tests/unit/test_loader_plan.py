@@ -1,4 +1,4 @@
-"""Copy planning (csi_pmem.loader.plan) against the obvious, slow definitions.
+"""Copy planning (csi_pmem.loader.gpu.chunks) against the obvious, slow definitions.
 
 Why: the plan is built on the clock before a load's first byte moves, so it is written
 for speed (one pass over the runs, bisection instead of per-chunk tables). These tests
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from csi_pmem.loader import plan
+from csi_pmem.loader.gpu import chunks as planning
 from csi_pmem.weights.stformat import TensorInfo
 
 
@@ -33,7 +33,7 @@ def tensors(draw: st.DrawFn) -> list[TensorInfo]:
     return out
 
 
-def _written(chunks: list[plan.Chunk]) -> dict[int, int]:
+def _written(chunks: list[planning.Chunk]) -> dict[int, int]:
     """device offset -> volume offset, for every byte the pieces copy."""
     dev: dict[int, int] = {}
     for c in chunks:
@@ -49,8 +49,8 @@ def _written(chunks: list[plan.Chunk]) -> dict[int, int]:
        first_seq=st.integers(0, 5))
 def test_bounce_chunks_copy_every_tensor_byte_once_within_a_buffer(
         ts: list[TensorInfo], buffer_size: int, first_seq: int) -> None:
-    placements, size = plan.place(ts)
-    chunks = plan.bounce_chunks(placements, buffer_size, target=3, first_seq=first_seq)
+    placements, size = planning.place(ts)
+    chunks = planning.bounce_chunks(placements, buffer_size, target=3, first_seq=first_seq)
     assert [c.seq for c in chunks] == list(range(first_seq, first_seq + len(chunks)))
     assert all(c.target == 3 for c in chunks)
     for c in chunks:
@@ -73,9 +73,9 @@ def test_direct_chunks_stop_at_device_cuts(ts: list[TensorInfo], limit: int,
                                            data: st.DataObject) -> None:
     """Device ``cuts`` (where one allocation ends and the next begins): no chunk crosses
     one, none is over the limit, and the chunks still write every byte once."""
-    placements, size = plan.place(ts)
+    placements, size = planning.place(ts)
     cuts = sorted(data.draw(st.lists(st.integers(0, size + 1), max_size=3)))
-    chunks = plan.direct_chunks(placements, limit, [], cuts=cuts)
+    chunks = planning.direct_chunks(placements, limit, [], cuts=cuts)
     for c in chunks:
         assert 0 < c.nbytes <= limit
         assert not any(c.dst < cut < c.dst + c.nbytes for cut in cuts), (c, cuts)
@@ -89,14 +89,14 @@ def test_direct_chunks_stop_at_device_cuts(ts: list[TensorInfo], limit: int,
        limit=st.sampled_from([1, 8, 64, 1000, 4096]), data=st.data())
 def test_completion_finishes_each_tensor_once_after_its_last_chunk(
         ts: list[TensorInfo], split: str, limit: int, data: st.DataObject) -> None:
-    placements, _ = plan.place(ts)
+    placements, _ = planning.place(ts)
     if split == "bounce":
-        chunks = plan.bounce_chunks(placements, limit)
+        chunks = planning.bounce_chunks(placements, limit)
     else:
         top = max((p.src + p.nbytes for p in placements), default=0)
         cuts = data.draw(st.lists(st.integers(0, top), max_size=3))
-        chunks = plan.direct_chunks(placements, limit, sorted(cuts))
-    completion = plan.Completion(placements, chunks)
+        chunks = planning.direct_chunks(placements, limit, sorted(cuts))
+    completion = planning.Completion(placements, chunks)
     assert sorted(completion.ready) == sorted(p.name for p in placements if p.nbytes == 0)
 
     waiting = {p.name: {c.seq for c in chunks
@@ -118,8 +118,8 @@ def test_completion_finishes_each_tensor_once_after_its_last_chunk(
 
 
 def test_overlapping_chunks_are_refused() -> None:
-    p = plan.Placement("t", 0, 0, 100)
-    chunks = [plan.Chunk(0, 0, 0, 64, (plan.Piece(0, 0, 64),)),
-              plan.Chunk(1, 0, 32, 68, (plan.Piece(32, 0, 68),))]
+    p = planning.Placement("t", 0, 0, 100)
+    chunks = [planning.Chunk(0, 0, 0, 64, (planning.Piece(0, 0, 64),)),
+              planning.Chunk(1, 0, 32, 68, (planning.Piece(32, 0, 68),))]
     with pytest.raises(ValueError, match="overlap"):
-        plan.Completion([p], chunks)
+        planning.Completion([p], chunks)

@@ -129,7 +129,7 @@ def test_an_index_entry_without_algo_is_sha256():
 
 
 def test_chunks_become_checkable_as_their_bytes_land():
-    from csi_pmem.loader.gpuverify import FilePlan, _FileProgress
+    from csi_pmem.loader.gpu.verify import FilePlan, _FileProgress
     from csi_pmem.weights import checksum
     from csi_pmem.weights.layout import FileEntry
 
@@ -146,7 +146,7 @@ def test_chunks_become_checkable_as_their_bytes_land():
 
 
 def _one_file_plan():
-    from csi_pmem.loader.gpuverify import FilePlan
+    from csi_pmem.loader.gpu.verify import FilePlan
     from csi_pmem.weights import checksum
     from csi_pmem.weights.layout import FileEntry
 
@@ -161,7 +161,7 @@ def test_device_verifier_batches_shrink_towards_a_files_end(monkeypatch):
     """Whole batches while much is still to land, then a quarter of what is left, so
     that the check after the last copy covers little; every chunk is queued once, in
     order."""
-    from csi_pmem.loader import gpuverify
+    from csi_pmem.loader.gpu import verify as gpuverify
     from csi_pmem.weights import checksum
     from csi_pmem.weights.layout import FileEntry
 
@@ -185,7 +185,7 @@ def test_device_verifier_batches_shrink_towards_a_files_end(monkeypatch):
 def test_device_verifier_starts_nothing_before_a_batch_and_reports_a_failure_once():
     """A load that fails before any chunk landed ends the check at once, with its error;
     a tensor reported afterwards starts no thread and no second report."""
-    from csi_pmem.loader.gpuverify import DeviceVerifier
+    from csi_pmem.loader.gpu.verify import DeviceVerifier
 
     entry, size, plans = _one_file_plan()
     reports = []
@@ -201,7 +201,8 @@ def test_device_verifier_starts_nothing_before_a_batch_and_reports_a_failure_onc
 def test_device_verifier_without_a_stream_reports_why(monkeypatch):
     """The first complete batch starts the checking thread; when it cannot make its
     stream (here: no CUDA), the check ends once with that error, not with silence."""
-    from csi_pmem.loader import gpuverify, streams
+    from csi_pmem.loader.gpu import streams
+    from csi_pmem.loader.gpu import verify as gpuverify
 
     def no_stream(device):
         raise LayoutError("no stream here")

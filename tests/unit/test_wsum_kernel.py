@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from csi_pmem.loader import devsums, gpuverify, kernelsum, wsum_kernel
+from csi_pmem.loader.gpu import devsums, kernelsum, wsum_kernel
+from csi_pmem.loader.gpu import verify as gpuverify
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_compiled_module_is_the_sources():
     """Edit wsum_kernel.cu, then run scripts/gen_wsum_kernel.py: this fails until then."""
-    source = (ROOT / "csi_pmem" / "loader" / "_native" / "wsum_kernel.cu").read_bytes()
+    source = (ROOT / "csi_pmem" / "loader" / "gpu" / "_native" / "wsum_kernel.cu").read_bytes()
     assert wsum_kernel.SOURCE_SHA256 == hashlib.sha256(source).hexdigest()
     assert f".entry {wsum_kernel.KERNEL}(" in wsum_kernel.PTX
     assert f"__launch_bounds__({wsum_kernel.BLOCK})" in source.decode()

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from csi_pmem.loader import plan as planning
+from csi_pmem.loader.gpu import chunks as planning
 from csi_pmem.sizes import MiB, describe_size
 from csi_pmem.weights.volume import Volume
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from csi_pmem.loader.plan import Chunk
+from csi_pmem.loader.gpu.chunks import Chunk
 from csi_pmem.numa import pin_current_thread
 
 Memcpy = Callable[[int, int, int], object]

@@ -2,9 +2,9 @@
 GPU path (bounce, registered, hybrid, node) fills, whatever does the copies.
 
 Device placement: one device buffer per file, tensors are views into it (see
-:func:`.plan.place`), so a whole-file load is a stream of large transfers. One
+:func:`.chunks.place`), so a whole-file load is a stream of large transfers. One
 allocation for the whole load, sliced per file (:func:`allocate`), unless the node path
-attached exportable allocations first. Apart from :mod:`.gpu` so that the node path
+attached exportable allocations first. Apart from :mod:`.loader` so that the node path
 (:mod:`.nodecopy`) plans and reports the same way without importing the loader.
 """
 
@@ -17,16 +17,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from csi_pmem.loader import native
-from csi_pmem.loader import plan as planning
 from csi_pmem.loader.cpu import torch_dtype
+from csi_pmem.loader.gpu import chunks as planning
+from csi_pmem.loader.gpu import native
 from csi_pmem.sizes import describe_size, round_up
 from csi_pmem.weights.stformat import TensorInfo
 
 log = logging.getLogger(__name__)
 
 
-def _torch() -> Any:
+def torch_module() -> Any:
+    """torch, imported at first use (every GPU path needs it; importing this module does not)."""
     import torch
 
     return torch
@@ -61,7 +62,7 @@ class FileTarget:
 
 
     def _view(self, p: planning.Placement, t: TensorInfo) -> Any:
-        torch = _torch()
+        torch = torch_module()
         dtype = torch_dtype(t.dtype)
         if t.nbytes == 0:
             return torch.empty(t.shape, dtype=dtype, device=self.buffer.device)
@@ -77,7 +78,7 @@ class FileTarget:
         self.finished.add(name)
         p = self.unaligned.pop(name, None)
         if p is not None:
-            torch = _torch()
+            torch = torch_module()
             t = self.infos[name]
             device = self.buffer.device
             # The bytes are on the device already (we waited for their transfer); copy on
@@ -91,7 +92,7 @@ class FileTarget:
         return self.tensors[name]
 
 
-class _Plan:
+class CopyPlan:
     """One load's transfers, cut by ``split``, and which tensors each completes.
 
     Every path (bounce, registered, hybrid, node) plans the same way and differs only
@@ -115,7 +116,7 @@ class _Plan:
 
     @classmethod
     def of_flat(cls, targets: list[FileTarget], flat: native.Flat,
-                finish: Callable[[FileTarget, str], None]) -> _Plan:
+                finish: Callable[[FileTarget, str], None]) -> CopyPlan:
         plan = cls(targets, lambda ps, i, seq: [], finish)
         plan.flat = flat
         plan.completions = [planning.Completion.of_spans(t.placements, *flat.bounds(i))
@@ -145,7 +146,7 @@ class _Plan:
                 self._finish(self.targets[target], name)
 
 
-def _unfinished(targets: list[FileTarget]) -> list[FileTarget]:
+def unfinished(targets: list[FileTarget]) -> list[FileTarget]:
     """What is left of a load after a node-side copy stopped: the targets, sharing
     their buffers, with only the placements whose tensors did not finish."""
     out = []
@@ -179,7 +180,7 @@ def allocate(targets: list[FileTarget], device: Any, arena: Any = None) -> None:
     targets = [t for t in targets if t.buffer is None]  # the node path may have some
     if not targets:
         return
-    torch = _torch()
+    torch = torch_module()
     bases, total = [], 0
     for t in targets:
         bases.append(total)

@@ -1,5 +1,5 @@
 /*
- * The in-pod bounce copy loop in native threads (csi_pmem/loader/native.py loads this
+ * The in-pod bounce copy loop in native threads (csi_pmem/loader/gpu/native.py loads this
  * with ctypes; it uses no Python API and runs with the GIL released).
  *
  * Why native: the Python pipeline (pipeline.py) spends Python work on every chunk
@@ -338,7 +338,7 @@ static int load_cuda(struct cuda *cu)
 
 /*
  * Cuts one target's runs into the job's chunks and pieces: the same windows, in the
- * same order, as plan.bounce_chunks (tests hold the two to each other). Why here too:
+ * same order, as chunks.bounce_chunks (tests hold the two to each other). Why here too:
  * planning a 13 GB load in Python objects, then flattening them into this layout,
  * took 7-10 ms of a fresh process's load before its first byte moved; this takes
  * microseconds, with the GIL released.

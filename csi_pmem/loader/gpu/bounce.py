@@ -1,8 +1,8 @@
 """Pinned bounce buffers and how their bytes cross to the device: the host side of the
-in-pod bounce path (:mod:`.gpu` chooses the path and runs the load).
+in-pod bounce path (:mod:`.loader` chooses the path and runs the load).
 
 Why a module of its own: the buffers (:class:`PinnedArena`), the copy stream and the
-two ways a filled buffer reaches the device (:class:`_DriverCopy`, cuda-python's driver
+two ways a filled buffer reaches the device (:class:`DriverCopy`, cuda-python's driver
 calls that release the GIL, or :class:`_TorchCopy`) are what every bounce load shares,
 whoever fills the buffers (the Python pipeline, :mod:`.pipeline`, or the native loop,
 :mod:`.native`); the hybrid path uses them from the back of the model. They know nothing
@@ -23,11 +23,11 @@ import time
 from typing import Any, Protocol
 
 from csi_pmem.gpucopy.copier import CopyError
-from csi_pmem.loader import native, streams
-from csi_pmem.loader import plan as planning
+from csi_pmem.loader.gpu import chunks as planning
+from csi_pmem.loader.gpu import native, streams
+from csi_pmem.loader.gpu.registered import HOST_REGISTER_PORTABLE
+from csi_pmem.loader.gpu.targets import CopyPlan
 from csi_pmem.loader.model import ModelView
-from csi_pmem.loader.registered import HOST_REGISTER_PORTABLE
-from csi_pmem.loader.targets import _Plan
 from csi_pmem.numa import node_cpus
 from csi_pmem.sizes import describe_size
 from csi_pmem.weights.errors import LoaderError
@@ -133,9 +133,9 @@ class PinnedArena:
             self._mapping = None
 
 
-class _TorchBackend:
+class TorchBackend:
     """Pinned buffers, the copy stream of one device, and how chunks cross to it (a
-    :class:`_DriverCopy`, or a :class:`_TorchCopy` without cuda-python)."""
+    :class:`DriverCopy`, or a :class:`_TorchCopy` without cuda-python)."""
 
     def __init__(self, device: Any, nbuffers: int, buffer_size: int):
         self.device = device
@@ -158,6 +158,12 @@ class _TorchBackend:
         log.debug("allocated %d pinned buffers of %s (%s) in %.3f s, stream and events "
                   "in %.2f ms", nbuffers, describe_size(buffer_size), self.arena.kind,
                   self.arena.seconds, (time.monotonic() - started) * 1e3)
+
+    @property
+    def driver_copy(self) -> DriverCopy | None:
+        """The driver-call transfer when that is how chunks cross (the native loop drives
+        only that one), else None (torch's ``copy_``)."""
+        return self._copy if isinstance(self._copy, DriverCopy) else None
 
     def close(self) -> None:
         self._release_stream()  # waits for the copies still queued on it
@@ -214,7 +220,7 @@ class _TorchCopy:
         self.events, self.buffers = [], []  # the views go before the arena does
 
 
-def _driver_copy(device: Any, stream: Any, addresses: list[int]) -> _DriverCopy | None:
+def _driver_copy(device: Any, stream: Any, addresses: list[int]) -> DriverCopy | None:
     """The driver-call transfer unless ``CSI_PMEM_BOUNCE_COPY=torch`` asks for torch's
     ``copy_``, or cuda-python is not installed (then torch's, with a debug line)."""
     choice = os.environ.get("CSI_PMEM_BOUNCE_COPY", "driver")
@@ -225,7 +231,7 @@ def _driver_copy(device: Any, stream: Any, addresses: list[int]) -> _DriverCopy 
         return None
     try:
         index = device.index if device.index is not None else _torch().cuda.current_device()
-        return _DriverCopy(index, stream.cuda_stream, addresses)
+        return DriverCopy(index, stream.cuda_stream, addresses)
     except ImportError as exc:
         log.debug("bounce copies through torch: cuda-python is not importable (%s)", exc)
     except CopyError as exc:
@@ -233,7 +239,7 @@ def _driver_copy(device: Any, stream: Any, addresses: list[int]) -> _DriverCopy 
     return None
 
 
-class _DriverCopy:
+class DriverCopy:
     """Per-chunk transfers through cuda-python's driver calls instead of torch.
 
     Why: a bounce chunk is 4 MiB, about 0.08 ms on the link, and each one went
@@ -297,12 +303,12 @@ class _DriverCopy:
             self.cu.cuDevicePrimaryCtxRelease(self._device)
 
 
-def run_native(lib: Any, backend: _TorchBackend, view: ModelView, plan: _Plan,
+def run_native(lib: Any, backend: TorchBackend, view: ModelView, plan: CopyPlan,
                threads: int, buffer_size: int) -> None:
     """The bounce load through the native loop (:mod:`.native`): the same chunks,
     buffers, stream and events as the Python pipeline, no Python work per chunk."""
-    copy = backend._copy
-    assert isinstance(copy, _DriverCopy) and plan.flat is not None
+    copy = backend.driver_copy
+    assert copy is not None and plan.flat is not None
     arena = backend.arena
     ready = bytearray(1 if r else 0 for r in arena._ready)
     try:

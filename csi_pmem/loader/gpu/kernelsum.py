@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from csi_pmem.loader import wsum_kernel
+from csi_pmem.loader.gpu import wsum_kernel
 from csi_pmem.weights.wsum import MASK
 
 log = logging.getLogger(__name__)

@@ -28,10 +28,10 @@ from typing import Any, Protocol
 from csi_pmem.fdpass import unix_address
 from csi_pmem.gpucopy import cuda as gpucuda
 from csi_pmem.gpucopy import protocol
-from csi_pmem.loader import plan as planning
+from csi_pmem.loader.gpu import chunks as planning
+from csi_pmem.loader.gpu.registered import DIRECT_CHUNK
+from csi_pmem.loader.gpu.targets import CopyPlan, FileTarget, torch_module, unfinished
 from csi_pmem.loader.model import ModelView
-from csi_pmem.loader.registered import DIRECT_CHUNK
-from csi_pmem.loader.targets import FileTarget, _Plan, _torch, _unfinished
 from csi_pmem.sizes import MiB, describe_size
 from csi_pmem.weights.errors import LoaderError
 from csi_pmem.weights.volume import Volume
@@ -310,13 +310,13 @@ class ExportableAllocation:
 
 
 class NodeLoader(Protocol):
-    """What the node path reads and sets on its loader (a :class:`.gpu.GpuLoader`; this
+    """What the node path reads and sets on its loader (a :class:`.loader.GpuLoader`; this
     module must not import that one, which imports it): the device, why the last load
     could not use the service, and the sockets already warned about."""
 
     device: Any
     node_copy_refused: str | None
-    _node_warned: set[str]
+    node_warned: set[str]
 
 
 def load_node(loader: NodeLoader, view: ModelView, targets: list[FileTarget],
@@ -332,7 +332,7 @@ def load_node(loader: NodeLoader, view: ModelView, targets: list[FileTarget],
     otherwise come before the first byte moves), and the rest is allocated while
     the copy engine works.
     """
-    torch = _torch()
+    torch = torch_module()
     t0 = time.monotonic()
     try:
         session = Session(socket_path)
@@ -343,7 +343,7 @@ def load_node(loader: NodeLoader, view: ModelView, targets: list[FileTarget],
     # The first file's head is an allocation of its own (ExportableAllocation says
     # why); its copies stop at the cut, so that each lands in one allocation.
     head = NODE_HEAD if targets and targets[0].size >= 2 * NODE_HEAD else None
-    plan = _Plan(targets, lambda ps, i, seq: planning.direct_chunks(
+    plan = CopyPlan(targets, lambda ps, i, seq: planning.direct_chunks(
         ps, DIRECT_CHUNK, [], i, seq, cuts=[head] if head and i == 0 else []), finish)
     by_target: list[list[planning.Chunk]] = [[] for _ in targets]
     for c in plan.chunks:
@@ -420,7 +420,7 @@ def load_node(loader: NodeLoader, view: ModelView, targets: list[FileTarget],
                   float(report.get("seconds", 0)) * 1e3)
     except NodeCopyError as exc:
         _node_fallback(loader, socket_path, exc)
-        return _unfinished(targets)
+        return unfinished(targets)
     finally:
         t = time.monotonic()
         session.close()
@@ -432,6 +432,6 @@ def load_node(loader: NodeLoader, view: ModelView, targets: list[FileTarget],
 
 def _node_fallback(loader: NodeLoader, socket_path: str, exc: NodeCopyError) -> None:
     loader.node_copy_refused = str(exc)
-    level = logging.INFO if socket_path in loader._node_warned else logging.WARNING
-    loader._node_warned.add(socket_path)
+    level = logging.INFO if socket_path in loader.node_warned else logging.WARNING
+    loader.node_warned.add(socket_path)
     log.log(level, "%s; loading in-pod instead", exc)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from csi_pmem.loader import devsums, streams
+from csi_pmem.loader.gpu import devsums, streams
 from csi_pmem.loader.model import ModelView
 from csi_pmem.weights import checksum, wsum
 from csi_pmem.weights.layout import FileEntry, chunk_ranges
@@ -150,7 +150,7 @@ def device_sums(device: Any) -> Any:
     asks for them. Call with ``device``'s context current (the check's thread)."""
     if os.environ.get(KERNEL_ENV, "auto") != "torch":
         try:
-            from csi_pmem.loader import kernelsum
+            from csi_pmem.loader.gpu import kernelsum
 
             return kernelsum.KernelSums(device)
         except Exception as exc:  # ImportError, a CUDA error: the fallback works anyway

@@ -13,7 +13,7 @@ Why several (docs/design.md §3, docs/gpu-copy-service.md), in the order a load 
 - Hybrid: the first load of a large-page mapping (devdax, huge tmpfs, hugetlbfs) faults
   pieces in from the loader's threads and registers them one by one, queueing each
   piece's copies right after it (optionally with bounce buffers from the back,
-  :class:`.plan.MeetInTheMiddle`). Pieces registered stay registered for later loads.
+  :class:`.chunks.MeetInTheMiddle`). Pieces registered stay registered for later loads.
 - Bounce (:mod:`.bounce`, :mod:`.pipeline`): pinned buffers allocated once per loader,
   filled by memcpy threads on the volume's NUMA node and drained by one CUDA stream.
   Works for any mapping and is the first load of a 4 KiB-page one; costs CPU and memory
@@ -31,7 +31,7 @@ not fail the load: one warning, the load and later loads of that mapping use bou
 buffers (in ``mode="auto"`` the loader stops registering altogether).
 
 Device placement: one device buffer per file, tensors are views into it (see
-:func:`.plan.place`), so a whole-file load is a stream of large transfers.
+:func:`.chunks.place`), so a whole-file load is a stream of large transfers.
 
 This module is the choice of path and the loader that runs it (with the registered and
 hybrid paths, which share its registrations); the node path's load is in
@@ -53,12 +53,11 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from csi_pmem.loader import native, nodecopy
-from csi_pmem.loader import plan as planning
-from csi_pmem.loader.bounce import _DriverCopy, _TorchBackend, run_native
-from csi_pmem.loader.model import ModelView
-from csi_pmem.loader.pipeline import BouncePipeline
-from csi_pmem.loader.registered import (
+from csi_pmem.loader.gpu import chunks as planning
+from csi_pmem.loader.gpu import native, nodecopy
+from csi_pmem.loader.gpu.bounce import TorchBackend, run_native
+from csi_pmem.loader.gpu.pipeline import BouncePipeline
+from csi_pmem.loader.gpu.registered import (
     DIRECT_CHUNK,
     Pending,
     Registration,
@@ -68,7 +67,8 @@ from csi_pmem.loader.registered import (
     register_pieces,
     report_landed,
 )
-from csi_pmem.loader.targets import FileTarget, _Plan, _torch, allocate, load_bytes
+from csi_pmem.loader.gpu.targets import CopyPlan, FileTarget, allocate, load_bytes, torch_module
+from csi_pmem.loader.model import ModelView
 from csi_pmem.numa import node_cpus
 from csi_pmem.sizes import MiB, round_up
 from csi_pmem.weights.stformat import TensorInfo
@@ -76,7 +76,7 @@ from csi_pmem.weights.volume import Volume
 
 log = logging.getLogger(__name__)
 
-# cuda-python's driver module is what the in-pod bounce copies (.bounce._DriverCopy) and
+# cuda-python's driver module is what the in-pod bounce copies (.bounce.DriverCopy) and
 # the node path (.nodecopy) call. It is imported with this module, which imports torch's
 # CUDA side anyway, and not inside the first load: a fresh process that imported it there
 # paid for the import in the load itself (the in-pod load measured 323-326 ms in
@@ -182,7 +182,7 @@ class GpuLoader:
                  buffer_size: int = 4 * MiB, threads: int = 12, mode: str = AUTO,
                  auto_register_after: int | None = 2, node_copy: bool = True,
                  register_step: int = HYBRID_STEP, hybrid_bounce: bool = False):
-        torch = _torch()
+        torch = torch_module()
         if mode not in (AUTO, BOUNCE, REGISTERED, HYBRID):
             raise ValueError(f"mode must be {AUTO}, {BOUNCE}, {REGISTERED} or {HYBRID}")
         self.device = torch.device(device)
@@ -198,8 +198,8 @@ class GpuLoader:
         # Use the node's GPU copy service when the volume offers one (gpu.sock).
         self.node_copy = node_copy
         self.node_copy_refused: str | None = None  # why the last load could not use it
-        self._node_warned: set[str] = set()
-        self._backend: _TorchBackend | None = None
+        self.node_warned: set[str] = set()
+        self._backend: TorchBackend | None = None
         self._pipelines: dict[int | None, BouncePipeline] = {}
         self._populate_pool: ThreadPoolExecutor | None = None
         self._registrations: dict[int, Registration] = {}
@@ -291,7 +291,7 @@ class GpuLoader:
 
     def _pipeline(self, numa_node: int | None) -> BouncePipeline:
         if self._backend is None:
-            self._backend = _TorchBackend(self.device, self.nbuffers, self.buffer_size)
+            self._backend = TorchBackend(self.device, self.nbuffers, self.buffer_size)
         pipe = self._pipelines.get(numa_node)
         if pipe is None:
             cpus = node_cpus(numa_node)
@@ -336,7 +336,7 @@ class GpuLoader:
         only copies. The reservation is consumed by that load: its tensors are views
         into it.
         """
-        torch = _torch()
+        torch = torch_module()
         sizes = [planning.place(tensors)[1] for tensors in view.select(names).values()]
         nbytes = load_bytes(sizes)
         arena = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -414,7 +414,7 @@ class GpuLoader:
 
     def _load_bounce(self, view: ModelView, targets: list[FileTarget],
                      finish: Callable[[FileTarget, str], None]) -> None:
-        torch = _torch()
+        torch = torch_module()
         steps = [time.monotonic()]
         self._allocate(targets)
         steps.append(time.monotonic())
@@ -426,12 +426,12 @@ class GpuLoader:
             # The device buffers were allocated on the current stream; order ours after it.
             backend.stream.wait_stream(torch.cuda.current_stream(self.device))
             steps.append(time.monotonic())
-            lib = native.library() if isinstance(backend._copy, _DriverCopy) else None
+            lib = native.library() if backend.driver_copy is not None else None
             if lib is None:
-                plan = _Plan(targets, lambda ps, i, seq: planning.bounce_chunks(
+                plan = CopyPlan(targets, lambda ps, i, seq: planning.bounce_chunks(
                     ps, self.buffer_size, i, seq), finish)
             else:  # the native loop's own layout, cut by the library (no Chunk objects)
-                plan = _Plan.of_flat(targets, native.plan_bounce(
+                plan = CopyPlan.of_flat(targets, native.plan_bounce(
                     [t.placements for t in targets], [b.data_ptr() for b in backend.targets],
                     self.buffer_size, lib), finish)
             plan.ready()
@@ -451,10 +451,10 @@ class GpuLoader:
     def _load_hybrid(self, view: ModelView, targets: list[FileTarget],
                      finish: Callable[[FileTarget, str], None]) -> RegistrationError | None:
         """Registration from the front, bounce buffers from the back (see
-        :class:`.plan.MeetInTheMiddle`). Returns the registration error that stopped
+        :class:`.chunks.MeetInTheMiddle`). Returns the registration error that stopped
         the front side before it registered anything (the mapping is then treated as
         refused), else None."""
-        torch = _torch()
+        torch = torch_module()
         # One run of at most a bounce buffer each, never across a piece edge: every
         # chunk suits both sides.
         registration, pieces, plan = self._direct_plan(view, targets, finish,
@@ -533,7 +533,7 @@ class GpuLoader:
                         populated: dict[int, list[Any]]) -> None:
         """The hybrid load's front side: wait until a piece is faulted in, register it,
         queue its copies, repeat."""
-        torch = _torch()
+        torch = torch_module()
         pending: Pending = []
         try:
             torch.cuda.set_device(self.device)
@@ -561,7 +561,7 @@ class GpuLoader:
 
     def _direct_plan(self, view: ModelView, targets: list[FileTarget],
                      finish: Callable[[FileTarget, str], None], limit: int
-                     ) -> tuple[Registration, list[tuple[int, int]], _Plan]:
+                     ) -> tuple[Registration, list[tuple[int, int]], CopyPlan]:
         """The registration, its pieces and the transfers (at most ``limit`` bytes,
         never across a piece edge) of a load straight from the mapping; device memory
         allocated where the node path did not attach it."""
@@ -569,7 +569,7 @@ class GpuLoader:
         pieces = self._pieces(view, [t.name for t in targets])
         edges = sorted({e for p in pieces for e in p})
         self._allocate(targets)
-        return registration, pieces, _Plan(targets, lambda ps, i, seq: planning.direct_chunks(
+        return registration, pieces, CopyPlan(targets, lambda ps, i, seq: planning.direct_chunks(
             ps, limit, edges, i, seq), finish)
 
     def _load_registered(self, view: ModelView, targets: list[FileTarget],

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from csi_pmem.loader import plan as planning
+from csi_pmem.loader.gpu import chunks as planning
 from csi_pmem.weights.errors import LoaderError
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def flatten(chunks_by_target: Sequence[Sequence[planning.Chunk]],
 def plan_bounce(placements_by_target: Sequence[list[planning.Placement]],
                 bases: Sequence[int], buffer_size: int,
                 lib: ctypes.CDLL | None = None) -> Flat:
-    """The chunks :func:`csi_pmem.loader.plan.bounce_chunks` would make for each
+    """The chunks :func:`csi_pmem.loader.gpu.chunks.bounce_chunks` would make for each
     target, cut by the native library straight into its own layout."""
     lib = lib or library()
     if lib is None:

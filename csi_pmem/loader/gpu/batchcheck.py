@@ -1,7 +1,7 @@
 """The checksums of a batched load (:mod:`.batches`), summed on the device batch by batch.
 
 Why: a batch is a run of one file's tensors, which the whole-file device check
-(:mod:`.gpuverify`) cannot take, so each batch used to be hashed on the host. On an
+(:mod:`.verify`) cannot take, so each batch used to be hashed on the host. On an
 H100 that took a 16 GB vLLM-shaped load from 37.5 GB/s unverified to 28.6 verified:
 the hash and the copy shared the host's memory bandwidth, and a chunk two batches
 share was hashed twice. Here a batch's bytes are summed on the device while the batch
@@ -24,7 +24,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from csi_pmem.loader import gpuverify, streams
+from csi_pmem.loader.gpu import streams
+from csi_pmem.loader.gpu import verify as gpuverify
 from csi_pmem.loader.model import ModelView
 from csi_pmem.weights import checksum, wsum
 from csi_pmem.weights.layout import chunk_ranges
