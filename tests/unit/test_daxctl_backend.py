@@ -473,7 +473,7 @@ def test_composite_refuses_clashing_pool_names(kernel, tmp_path):
 
 
 def test_backend_flag_offers_the_combination():
-    assert config.BACKENDS == ("ndctl", "daxctl", "ndctl,daxctl", "emulated")
+    assert config.BACKENDS == ("ndctl", "daxctl", "ndctl,daxctl", "memory", "emulated")
     assert config.CHOICES["backend"] == config.BACKENDS
 
 
