@@ -173,6 +173,24 @@ def test_copies_land_bit_exact_with_progress(work, node_factory):
     assert node.copier.outstanding == 0
 
 
+def test_the_pods_allocation_is_let_go_before_the_reply(work, node_factory):
+    """When the pod hears "ok" the service holds none of its allocations: a real one's
+    device memory is freed only once both sides let go, and a batched load allocates
+    its next batch as soon as it hears it."""
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    assert node.prepare()
+    copies, size, _ = whole_model_copies(vol)
+    for _ in range(20):  # a race, were it one: the reply first, the close after
+        fd, out = allocation(size)
+        try:
+            report = request_copies(node.sock, fd, FAKE_GPU, size, copies, lambda k: None)
+            assert report["ok"] and node.copier.open_targets == 0
+        finally:
+            os.close(fd)
+            out.close()
+
+
 def wait_registered(node: Node, vol: Path) -> list:
     """The committed model's safetensors files, once the service registered them all."""
     with open_volume(vol) as v:

@@ -66,13 +66,18 @@ FAKE_GPU = "GPU-00000000-0000-0000-0000-00000000fa4e"
 
 
 class FakeTarget:
-    def __init__(self, fd: int, size: int, gpu: str):
+    def __init__(self, fd: int, size: int, gpu: str, copier: FakeCopier | None = None):
         self.gpu, self.size = gpu, size
         self.mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mapping))
+        self._copier = copier
 
     def close(self) -> None:
+        copier, self._copier = self._copier, None
+        if copier is not None:
+            with copier._lock:
+                copier.open_targets -= 1
         self.address = 0
         try:
             self.mapping.close()
@@ -85,7 +90,8 @@ class FakeCopier:
     kill-mid-copy tests); ``fail_at``: the copy (counted from 1 over the copier's life)
     whose wait fails, as a faulted copy engine's would. ``outstanding`` counts tokens
     not yet spent by :meth:`wait` or :meth:`discard` (the CUDA copier's are events, so
-    one left over is a leak)."""
+    one left over is a leak); ``open_targets`` the pods' allocations it holds mapped (a
+    real one's device memory stays allocated until the service lets go of it too)."""
 
     name = "fake"
 
@@ -94,6 +100,7 @@ class FakeCopier:
         self.fail_at = fail_at
         self.registered: dict[int, int] = {}
         self.outstanding = 0
+        self.open_targets = 0
         self._waited = 0
         self._lock = threading.Lock()
 
@@ -129,10 +136,13 @@ class FakeCopier:
             raise CopyError(f"the allocation is {st.st_size} bytes, smaller than the "
                             f"{size} bytes the request names")
         try:
-            return FakeTarget(fd, size, gpu)
+            target = FakeTarget(fd, size, gpu, self)
         except OSError as exc:  # opened read-only: not writable, as CUDA would refuse
             raise CopyError(f"the allocation cannot be mapped writable: {exc.strerror}") \
                 from exc
+        with self._lock:
+            self.open_targets += 1
+        return target
 
     def enqueue(self, target: Target, copies: Sequence[HostCopy]) -> list[Any]:
         assert isinstance(target, FakeTarget), "a target of another copier"
