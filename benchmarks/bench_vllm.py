@@ -46,7 +46,10 @@ CPU), and two peaks beyond the parameters: ``peak torch`` (torch's
 max_memory_allocated minus what was allocated at the clock's start) and ``peak device``
 (the device's used memory, sampled every 5 ms with cudaMemGetInfo, as nvidia-smi's
 memory.used reads it, minus its value at the start; it sees the copy service's process
-and allocations outside torch's allocator too).
+and allocations outside torch's allocator too). For ours on the node path also ``peak
+exported``: the most bytes of the pod's exportable allocations alive at once (the
+batches themselves, counted as they are made and freed), which tells the batches' own
+memory from what the driver and the service hold beside them.
 
 Usage (on the GPU host, after ``source benchmarks/gpu_host.sh``):
   python3 benchmarks/bench_vllm.py --shape llama3-8b --rounds 3 --json vllm.json
@@ -79,7 +82,8 @@ CEILING = bf.CEILING
 STACKED = ((".qkv_proj", ".q_proj", 0), (".qkv_proj", ".k_proj", 1),
            (".qkv_proj", ".v_proj", 2), (".gate_up_proj", ".gate_proj", 0),
            (".gate_up_proj", ".up_proj", 1))
-EXTRA_KEYS = ("peak torch", "peak device", "path", "budget")
+EXTRA_KEYS = ("peak torch", "peak device", "peak exported", "path", "budget")
+PEAKS = ("peak torch", "peak device", "peak exported")
 
 
 # --- the server's parameters and its weight loaders -----------------------------------
@@ -185,6 +189,30 @@ def _nothing() -> str:
     return ""
 
 
+def count_exported() -> dict[str, int]:
+    """Live and peak bytes of the pod's exportable allocations (the node path's batches),
+    counted as each is made and freed."""
+    from csi_pmem.loader.gpu import nodecopy
+
+    counts = {"live": 0, "peak": 0}
+    real = nodecopy.ExportableAllocation
+
+    class Counted(real):  # type: ignore[misc, valid-type]
+        def __init__(self, ordinal: int, nbytes: int, head: int | None = None):
+            super().__init__(ordinal, nbytes, head)
+            self._counted = self.size
+            counts["live"] += self._counted
+            counts["peak"] = max(counts["peak"], counts["live"])
+
+        def free(self) -> None:
+            counts["live"] -= getattr(self, "_counted", 0)
+            self._counted = 0
+            super().free()
+
+    nodecopy.ExportableAllocation = Counted  # type: ignore[misc]
+    return counts
+
+
 def ours(node: bool = False, verify: bool = True, ahead: int | None = None) -> Method:
     def setup(ctx: bf.Ctx) -> None:
         import csi_pmem.loader.batches
@@ -192,6 +220,8 @@ def ours(node: bool = False, verify: bool = True, ahead: int | None = None) -> M
 
         if node:
             import cuda.bindings.driver  # noqa: F401
+
+            ctx.state["exported"] = count_exported()
 
     def stream(ctx: bf.Ctx) -> tuple[Iterator[tuple[str, Any]], Callable[[], str]]:
         from csi_pmem.loader import open_model
@@ -397,6 +427,8 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
                   tensors=len(server.loaded), path=path, budget=spec["budget"],
                   **{"peak torch": torch.cuda.max_memory_allocated(dev) - base,
                      "peak device": sampler.peak - sampler.base})
+    if "exported" in ctx.state:
+        result["peak exported"] = ctx.state["exported"]["peak"]
     if pinned is not None:
         emit(exact="n/a", mismatch=None)
         return 0
@@ -428,7 +460,7 @@ def summarize(labels: list[str], records: list[dict[str, Any]]) -> list[dict[str
     rows = bf.summarize(labels, records)
     for row in rows:
         ok = [r for r in records if r["method"] == row["method"] and r["status"] == "ok"]
-        for key in ("peak torch", "peak device"):
+        for key in PEAKS:
             vals = [r[key] for r in ok if key in r]
             row[f"max {key} MiB"] = round(max(vals) / 2**20, 1) if vals else None
         row["paths"] = sorted({r.get("path", "") for r in ok} - {""})
@@ -437,10 +469,12 @@ def summarize(labels: list[str], records: list[dict[str, Any]]) -> list[dict[str
 
 def render(rows: list[dict[str, Any]]) -> str:
     lines = [bf.render_table(rows), "", "| method | max peak torch MiB | "
-             "max peak device MiB | path |", "| --- | ---: | ---: | --- |"]
+             "max peak device MiB | max peak exported MiB | path |",
+             "| --- | ---: | ---: | ---: | --- |"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['max peak torch MiB']} | "
-                     f"{r['max peak device MiB']} | {','.join(r['paths'])} |")
+                     f"{r['max peak device MiB']} | {r['max peak exported MiB']} | "
+                     f"{','.join(r['paths'])} |")
     return "\n".join(lines)
 
 
