@@ -120,6 +120,9 @@ def no_start(monkeypatch):
     def started(*_a, **_k):
         raise AssertionError("the driver started although the node cannot hold its pools")
     monkeypatch.setattr(server, "serve", started)
+    # serve's log handler would outlive this test's captured stderr, and the next test
+    # that logs would print "--- Logging error ---" into its own.
+    monkeypatch.setattr("csi_pmem.logs.setup", lambda *_a, **_k: None)
     for key in config.DEFAULTS:
         monkeypatch.delenv(config.env_name(key), raising=False)
 
