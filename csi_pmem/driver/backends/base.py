@@ -1,7 +1,7 @@
 """The one interface every back end implements: ndctl (NVDIMM and CXL persistent memory
-regions), daxctl (dynamic dax regions: soft-reserved and CXL volatile memory), emulated
-(files), the composite that puts several behind one (``--backend ndctl,daxctl``), and
-the test fakes.
+regions), daxctl (dynamic dax regions: soft-reserved and CXL volatile memory), memory
+(DRAM pools bound to their NUMA node), emulated (files), the composite that puts
+several behind one (``--backend ndctl,daxctl``), and the test fakes.
 
 Why an interface: the servicers and the driver core must behave identically whether
 namespaces live on real NVDIMM regions (``ndctl``), on dax devices carved from dynamic
