@@ -93,6 +93,31 @@ def _cmdline(pid: int) -> str:
 
 
 PROVISION = ROOT / "benchmarks" / "bench_provision.py"
+MEMORY = ROOT / "benchmarks" / "bench_memory_pools.py"
+
+
+def memory_pool_mounts() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if "csi-pmem-bench-mem-" in line]
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for the pools' tmpfs mounts")
+def test_bench_memory_pools_reports_create_and_memset_and_cleans_up(tmp_path):
+    """bench_memory_pools.py on a small tmpfs pool: both figures for every size and
+    round, and no pool mount or directory left behind."""
+    out = tmp_path / "mem.json"
+    proc = subprocess.run([sys.executable, str(MEMORY), "--sizes", "16Mi,64Mi",
+                           "--rounds", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    doc = json.loads(out.read_text())
+    assert [r["size"] for r in doc["table"]] == ["16Mi", "64Mi"]
+    for r in doc["table"]:
+        assert len(r["rounds"]["create"]) == len(r["rounds"]["memset"]) == 2
+        assert all(v > 0 for v in r["rounds"]["create"] + r["rounds"]["memset"])
+    assert "| 64Mi |" in proc.stdout
+    assert memory_pool_mounts() == [], "the benchmark left a pool mounted"
 
 
 @pytest.mark.root

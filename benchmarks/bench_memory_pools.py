@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""CreateVolume on the memory back end's DRAM pools, against memset of the same size.
+
+Why: a memory pool allocates (and the kernel zeroes) every page of a volume at
+CreateVolume, so that a pod maps pages that exist, on their node, and is charged for
+none of them. That moves the cost of first touch to the provisioner's call, and an
+operator sizing a node wants to know what a 16 GiB volume costs there. The yardstick is
+what the same bytes cost any process: memset of a fresh anonymous mapping of the same
+size (its page faults, the kernel's zeroing and the writes), in the same run.
+
+What is measured: client-side wall time of CreateVolume (gRPC over a unix socket to a
+real ``csi-pmem serve --backend memory`` process, which mounts a tmpfs per pool with
+``mpol=bind``; hugetlbfs pools where ``--fs`` asks for them and the node has reserved
+the huge pages), for each ``--sizes`` entry, ``--rounds`` times, interleaved with memset;
+each volume is deleted (not timed) before the next. Prints the medians and bests, and
+the NUMA layout (``numactl -H`` when installed), and writes ``--json``.
+
+Needs root (the pools are mounts). Everything it creates is removed at the end.
+
+Usage: benchmarks/bench_memory_pools.py [--sizes 1Gi,4Gi] [--rounds 3] [--fs tmpfs]
+                                        [--pages 2M] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import bench_driver as bd  # noqa: E402
+
+from csi_pmem.sizes import parse_quantity  # noqa: E402
+
+MADV_HUGEPAGE = 14
+
+
+class MemoryDriver(bd.DriverProcess):
+    """``csi-pmem serve --backend memory`` with one pool on NUMA node 0."""
+
+    def __init__(self, base: Path, pool: int, fs: str, pages: str):
+        super().__init__(base, base / "memory", f"0={pool}", "warning")
+        self.fs, self.pages = fs, pages
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "csi_pmem", "serve",
+                "--endpoint", f"unix://{self.socket}", "--node-id", "bench-node",
+                "--state-dir", str(self.state), "--kubelet-dir", str(self.kubelet),
+                "--backend", "memory", "--memory-pools", self.regions,
+                "--memory-root", str(self.pool_root), "--memory-fs", self.fs,
+                "--memory-pages", self.pages, "--log-level", self.log_level]
+
+
+def memset_seconds(size: int, huge: bool) -> float:
+    """A fresh anonymous mapping of ``size`` bytes written whole, then unmapped."""
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        if huge:
+            m.madvise(MADV_HUGEPAGE)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        t0 = time.perf_counter()
+        ctypes.memset(addr, 0x5A, size)
+        seconds = time.perf_counter() - t0
+        del addr
+        return seconds
+    finally:
+        with contextlib.suppress(BufferError):
+            m.close()
+
+
+def numa_layout() -> str:
+    if shutil.which("numactl") is None:
+        nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+        return f"numactl not installed; NUMA nodes: {', '.join(nodes)}"
+    out = subprocess.run(["numactl", "-H"], capture_output=True, text=True, timeout=10)
+    return out.stdout.strip()
+
+
+def run(args: argparse.Namespace) -> dict:
+    sizes = [(s, parse_quantity(s)) for s in args.sizes.split(",")]
+    pool = max(n for _, n in sizes) + 256 * 2**20  # room for the largest and its metadata
+    rows: dict[str, dict[str, list[float]]] = {s: {"create": [], "memset": []}
+                                               for s, _ in sizes}
+    base = Path(tempfile.mkdtemp(prefix="csi-pmem-bench-mem-"))
+    drv = MemoryDriver(base, pool, args.fs, args.pages)
+    try:
+        drv.start()
+        for rnd in range(args.rounds):
+            for label, size in sizes:
+                t0 = time.perf_counter()
+                vid = drv.create(f"bench-{rnd}-{label}", size,
+                                 {"numaNode": "0", "eraseOnDelete": "false"})
+                rows[label]["create"].append(time.perf_counter() - t0)
+                drv.delete(vid)
+                rows[label]["memset"].append(memset_seconds(size, args.pages != "4k"))
+    finally:
+        drv.stop()
+        with contextlib.suppress(OSError):
+            for mnt in sorted((base / "memory").glob("region*"), reverse=True):
+                subprocess.run(["umount", str(mnt)], timeout=60, check=False,
+                               capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+    table = []
+    for label, size in sizes:
+        c, m = rows[label]["create"], rows[label]["memset"]
+        table.append({"size": label, "bytes": size,
+                      "create median s": statistics.median(c), "create best s": min(c),
+                      "memset median s": statistics.median(m), "memset best s": min(m),
+                      "create / memset (medians)": statistics.median(c) / statistics.median(m),
+                      "create GB/s (median)": size / 1e9 / statistics.median(c),
+                      "rounds": {"create": c, "memset": m}})
+    return {"fs": args.fs, "pages": args.pages, "rounds": args.rounds,
+            "host": {"cpus": os.cpu_count(), "kernel": os.uname().release,
+                     "numa": numa_layout()}, "table": table}
+
+
+def render(doc: dict) -> str:
+    lines = [doc["host"]["numa"], "",
+             f"memory pools: {doc['fs']}, pages {doc['pages']}, {doc['rounds']} rounds",
+             "| size | CreateVolume median s | best s | memset median s | best s | "
+             "create / memset | create GB/s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["table"]:
+        lines.append(f"| {r['size']} | {r['create median s']:.3f} | {r['create best s']:.3f} "
+                     f"| {r['memset median s']:.3f} | {r['memset best s']:.3f} | "
+                     f"{r['create / memset (medians)']:.2f} | {r['create GB/s (median)']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1Gi,4Gi")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fs", choices=("tmpfs", "hugetlbfs"), default="tmpfs")
+    ap.add_argument("--pages", choices=("4k", "2M", "1G"), default="2M")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench_memory_pools: needs root (the pools are mounts)", file=sys.stderr)
+        return 2
+    doc = run(args)
+    print(render(doc))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
