@@ -25,8 +25,9 @@ system of its own that the driver mounts at start:
   afterwards (huge pages are neither reclaimed nor migrated), so that one allocation
   decides their node for good.
 
-In both, CreateVolume's fallocate allocates every page (and zeroes it): a pod maps
-pages that exist, and is charged for none of them. The media is volatile: a node
+In both, CreateVolume's fallocate allocates every page (hugetlbfs clears them there,
+tmpfs at each page's first use: benchmarks/bench_memory_pools.py): a pod maps pages
+that exist, and is charged for none of them. The media is volatile: a node
 restart empties the pools, and the driver's recovery carves each volume again, zeroed,
 under its id. A pool whose mount vanished (unmounted by hand) is mounted again, empty,
 at the next listing, the same way. A mount that is there with other options (a new
