@@ -43,6 +43,12 @@ class FakePoolMounter:
             key, _, value = o.partition("=")
             if key == "size" and fstype == "tmpfs":
                 shown.add(f"size={int(value) // 1024}k")
+            elif key == "pagesize":  # hugetlbfs: MiB always, 1G as 1024M (the kernel's)
+                shown.add(f"pagesize={ {'2M': 2, '1G': 1024}[value]}M")
+            elif key == "size" and fstype == "hugetlbfs":  # bytes, whole pages
+                page = 2**20 * {"2M": 2, "1G": 1024}[dict(
+                    x.partition("=")[::2] for x in options)["pagesize"]]
+                shown.add(f"size={int(value) // page * page}")
             elif o not in ("huge=never", "remount"):
                 shown.add(o)
         return frozenset(shown)
@@ -212,10 +218,15 @@ def test_never_mounts_over_files_or_another_file_system(tmp_path, mounter):
 
 
 def test_hugetlbfs_pools_and_page_choices(tmp_path, mounter):
-    backend = MemoryBackend(tmp_path, {0: 256 * MiB}, mounter, fs="hugetlbfs", pages="1G")
-    assert mounter.calls[0][2:] == ("hugetlbfs", ("pagesize=1G", "size=268435456",
+    backend = MemoryBackend(tmp_path, {0: 2 * GiB + 256 * MiB}, mounter, fs="hugetlbfs",
+                            pages="1G")
+    assert mounter.calls[0][2:] == ("hugetlbfs", ("pagesize=1G", f"size={2 * GiB}",
                                                   "mode=0700", "nosuid", "nodev", "noexec"))
-    assert backend.pools()[0].page_size == GiB
+    pool = backend.pools()[0]
+    assert pool.page_size == GiB and pool.size == 2 * GiB  # whole pages, as the kernel cuts
+    assert len(mounter.calls) == 1  # mountinfo's pagesize=1024M is today's 1G: no remount
+    with pytest.raises(InvalidArgument, match="less than one 1G huge page"):
+        MemoryBackend(tmp_path / "s", {0: 256 * MiB}, mounter, fs="hugetlbfs", pages="1G")
     with pytest.raises(InvalidArgument, match="use 4k or 2M"):
         MemoryBackend(tmp_path / "t", {0: 256 * MiB}, mounter, pages="1G")
     with pytest.raises(InvalidArgument, match="use 2M or 1G"):

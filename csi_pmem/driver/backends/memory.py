@@ -87,6 +87,15 @@ class MemoryBackend(EmulatedBackend):
                                   f"use {' or '.join(PAGES_OF[fs])}")
         self.fs, self.pages, self.mounter = fs, pages, mounter
         self.page_size = PAGES[pages]
+        if fs == HUGETLBFS:
+            # The kernel cuts a hugetlbfs size= to whole pages: a pool says what it holds.
+            for node, size in sorted(regions.items()):
+                if size < self.page_size:
+                    raise InvalidArgument(
+                        f"the memory pool of NUMA node {node} is {describe_size(size)}, "
+                        f"less than one {pages} huge page")
+            regions = {n: size // self.page_size * self.page_size
+                       for n, size in regions.items()}
         self._mount_lock = threading.Lock()
         super().__init__(root, regions, loops=mounter, media=VOLATILE)
         for node in self.regions:
@@ -106,11 +115,15 @@ class MemoryBackend(EmulatedBackend):
 
     def _as_configured(self, have: MountInfo, node: int) -> bool:
         """Whether the mount at the pool is ours with today's options (mountinfo prints
-        tmpfs's size in KiB and leaves ``huge=never`` out)."""
+        tmpfs's size in KiB and leaves ``huge=never`` out; hugetlbfs prints its page
+        size in MiB, 1G pages as ``pagesize=1024M``, and its size in bytes, cut to whole
+        pages)."""
         if have.fstype != self.fs:
             return False
         if self.fs == HUGETLBFS:
-            return f"pagesize={self.pages}" in have.options
+            page = PAGES[self.pages]
+            return (f"pagesize={page >> 20}M" in have.options
+                    and f"size={self.regions[node] // page * page}" in have.options)
         huge = "huge=always" if self.pages != "4k" else None
         return (f"size={self.regions[node] // 1024}k" in have.options
                 and f"mpol=bind:{node}" in have.options
