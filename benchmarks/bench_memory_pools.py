@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """CreateVolume on the memory back end's DRAM pools, against memset of the same size.
 
-Why: a memory pool allocates (and the kernel zeroes) every page of a volume at
-CreateVolume, so that a pod maps pages that exist, on their node, and is charged for
-none of them. That moves the cost of first touch to the provisioner's call, and an
-operator sizing a node wants to know what a 16 GiB volume costs there. The yardstick is
+Why: a memory pool allocates every page of a volume at CreateVolume (hugetlbfs also
+clears them there, tmpfs at each page's first use), so that a pod maps pages that
+exist, on their node, and is charged for none of them. That moves the cost of first
+touch to the provisioner's call, and an operator sizing a node wants to know what a
+16 GiB volume costs there. The yardstick is
 what the same bytes cost any process: memset of a fresh anonymous mapping of the same
 size (its page faults, the kernel's zeroing and the writes), in the same run.
 

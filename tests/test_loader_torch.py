@@ -676,7 +676,7 @@ def batched_load(vol, budget, directory=None):
 @cuda
 @pytest.mark.parametrize("odd", [False, True])
 def test_batches_are_checked_on_the_device_across_their_boundaries(tmp_path, odd):
-    """Batches of 40 MiB cut the file's 64 MiB chunks: each piece is summed on the
+    """Batches of one 24 MiB tensor cut the file's 64 MiB chunks: each piece is summed on the
     device while its batch is alive and the pieces combined, so no tensor byte is
     hashed on the host. Where boundaries fall inside a word the cut chunks go to the
     host, whole, and the load is still verified and bit-exact."""

@@ -91,19 +91,25 @@ class BatchCheck:
                 if span is not None and self._sums is None:
                     self._sums = gpuverify.device_sums(self.device)
                 run: list[int] = []
-                for i in range(ra // size, (rb - 1) // size + 1):
+                # The file's first batch (it starts at the tensor data) also sums the
+                # header's chunks, from the mapping: those wholly inside it too.
+                first = 0 if ra <= ds else ra // size
+                for i in range(first, (rb - 1) // size + 1):
                     off, n = ranges[i]
                     key = (fname, i)
+                    if key in self._host:
+                        continue
+                    if off < ds and ra <= ds:
+                        end = min(off + n, ds)
+                        head = wsum.cpu_sums(self.view.volume.view(base + off, end - off))
+                        self._add(key, partial(_value, head), end - off)
                     lo, hi = max(off, ra, ds), min(off + n, rb)
-                    if key in self._host or lo >= hi:
+                    if lo >= hi:
                         continue
                     if span is None or (lo - off) % 8 or (hi < off + n and (hi - off) % 8) \
                             or (span.data_ptr() + lo - ra) % 8:
                         self._to_host(key)
                         continue
-                    if off < ds and lo == ds:  # the header: from the mapping
-                        head = wsum.cpu_sums(self.view.volume.view(base + off, ds - off))
-                        self._add(key, partial(_value, head), ds - off)
                     if lo == off and n == size and hi == off + n:
                         if run and run[-1] != i - 1:
                             self._chunks(fname, run, span, ra)
