@@ -193,7 +193,7 @@ def test_other_options_are_remounted_and_4k_pages_say_so(tmp_path, mounter):
     MemoryBackend(tmp_path, {0: 256 * MiB}, mounter)
     backend = MemoryBackend(tmp_path, {0: 512 * MiB}, mounter, pages="4k")
     assert mounter.calls[-1][3] == ("remount", "size=536870912", "mpol=bind:0",
-                                    "huge=never", "mode=0700")
+                                    "huge=never", "mode=0700", "nosuid", "nodev", "noexec")
     assert backend.pools()[0].page_size == 4096
     MemoryBackend(tmp_path, {0: 512 * MiB}, mounter, pages="4k")
     assert len(mounter.calls) == 2  # huge=never is not shown, and still matches

@@ -154,7 +154,10 @@ class MemoryBackend(EmulatedBackend):
                 raise FailedPrecondition(
                     f"{target} is a {have.fstype} mount, not the {self.fs} the memory pool "
                     f"of NUMA node {node} needs; unmount it or choose another --memory-root")
-            self.mounter.mount(source, target, self.fs, ["remount", *self.options(node)])
+            # A remount sets the per-mount flags anew: without them the pool would
+            # lose nosuid, nodev and noexec.
+            self.mounter.mount(source, target, self.fs,
+                               ["remount", *self.options(node), *MOUNT_OPTIONS])
             log.warning("memory pool region%d at %s remounted with %s (it had %s); files "
                         "already there keep the policy they were created with", node,
                         target, ",".join(self.options(node)), ",".join(sorted(have.options)))
