@@ -173,7 +173,7 @@ def _info(doc: dict[str, Any]) -> str:
     ]) + _pools(plugin.get("manifest", {}))
 
 
-POOL_HEADER = ("POOL", "NUMA", "SIZE", "FREE", "PAGES", "PLACEMENT", "MEDIA")
+POOL_HEADER = ("POOL", "NUMA", "SIZE", "FREE", "PAGES", "PLACEMENT", "MEDIA", "USABLE")
 
 
 def _pools(manifest: dict[str, str]) -> str:
@@ -187,7 +187,8 @@ def _pools(manifest: dict[str, str]) -> str:
         words = dict(w.partition("=")[::2] for w in value.split())
         rows.append([key[len("pool."):], words.get("numa", "-"), words.get("size", "-"),
                      words.get("free", "-"), words.get("pages", "-"),
-                     words.get("placement", "-"), words.get("media", "-")])
+                     words.get("placement", "-"), words.get("media", "-"),
+                     words.get("usable", "yes")])
     return "\n\n" + columns(POOL_HEADER, rows) if rows else ""
 
 

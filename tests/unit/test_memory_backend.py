@@ -244,8 +244,15 @@ def test_volume_info_shows_each_pools_node_pages_and_placement(tmp_path, mounter
     text = output.render("info", {"plugin": {"name": "csi-pmem.io", "manifest": manifest},
                                   "probe": {"ready": True}, "node": {}}, "table")
     table = text.split("\n\n")[1].splitlines()
-    assert table[0].split() == ["POOL", "NUMA", "SIZE", "FREE", "PAGES", "PLACEMENT", "MEDIA"]
-    assert table[2].split() == ["region1", "1", "128Mi", "128Mi", "2Mi", "bind", "volatile"]
+    assert table[0].split() == ["POOL", "NUMA", "SIZE", "FREE", "PAGES", "PLACEMENT", "MEDIA",
+                                "USABLE"]
+    assert table[2].split() == ["region1", "1", "128Mi", "128Mi", "2Mi", "bind", "volatile",
+                                "yes"]
+    # A pool the driver cannot use says so, not only in the manifest.
+    manifest["pool.region1"] += " usable=no"
+    text = output.render("info", {"plugin": {"name": "csi-pmem.io", "manifest": manifest},
+                                  "probe": {"ready": True}, "node": {}}, "table")
+    assert text.split("\n\n")[1].splitlines()[2].split()[-1] == "no"
 
 
 def test_info_without_pools_and_a_failing_listing(tmp_path):
