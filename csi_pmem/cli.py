@@ -33,7 +33,7 @@ from csi_pmem.cmdline import (
     quiet_interrupt,
 )
 from csi_pmem.driver import config
-from csi_pmem.errors import CsiPmemError
+from csi_pmem.errors import CsiPmemError, InvalidArgument
 
 # What the `driver` extra installs, by top-level module (protobuf is google.protobuf):
 # an install without it (`pip install csi-pmem[loader]`, an inference pod's) runs
@@ -235,7 +235,7 @@ def _run(args: argparse.Namespace) -> int:
             from csi_pmem import logs
             from csi_pmem.driver import server
             from csi_pmem.driver.backends.emulated import parse_regions
-            from csi_pmem.driver.backends.memory import PAGES
+            from csi_pmem.driver.backends.memory import PAGES, PAGES_OF
             from csi_pmem.driver.backends.memory_sizing import (
                 check_huge_pages,
                 fit_pools,
@@ -246,6 +246,14 @@ def _run(args: argparse.Namespace) -> int:
             cfg = config.from_args(args, {"emulated_regions": parse_regions,
                                           "memory_pools": parse_pools})
             if "memory" in cfg.backends:  # refused before anything is mounted
+
+                def offered(pages: str) -> None:
+                    if pages not in PAGES_OF[cfg.memory_fs]:
+                        raise InvalidArgument(
+                            f"{cfg.memory_fs} pools offer {' or '.join(PAGES_OF[cfg.memory_fs])}"
+                            f" pages, not {pages}")
+
+                config.check_value(args, "memory_pages", cfg.memory_pages, offered)
                 sized = config.check_value(
                     args, "memory_pools", cfg.memory_pools,
                     lambda spec: fit_pools(parse_pools(spec), node_memory()))

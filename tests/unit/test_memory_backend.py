@@ -151,6 +151,19 @@ def test_serve_refuses_pools_the_node_cannot_hold_in_one_line(tmp_path, no_start
                           "3 does not exist") and err.count("\n") == 1, err
 
 
+def test_serve_refuses_a_page_size_the_pools_file_system_lacks(tmp_path, no_start, capsys):
+    """Before the node's huge pages are read: 4k hugetlbfs pages have no sysfs file to
+    name, and 1G tmpfs pages are not a thing; both are usage errors naming the flag."""
+    for fs, pages, offer in [("hugetlbfs", "4k", "2M or 1G"), ("tmpfs", "1G", "4k or 2M")]:
+        code = cli.main(["serve", "--backend", "memory", "--memory-pools", "0=64Mi",
+                         "--memory-fs", fs, "--memory-pages", pages,
+                         "--state-dir", str(tmp_path / "state")])
+        err = capsys.readouterr().err
+        assert code == Exit.USAGE == 2
+        assert err == (f"csi-pmem: --memory-pages: {fs} pools offer {offer} pages, "
+                       f"not {pages}\n"), err
+
+
 def test_other_back_ends_never_check_the_memory_pools(tmp_path, no_start, monkeypatch):
     """The default 0=50%,1=50% on a one-node laptop must not stop the emulated driver."""
     monkeypatch.setattr(memory_sizing, "SYSFS_NODES", write_nodes(tmp_path, {0: 1_048_576}))
