@@ -43,9 +43,9 @@ COPY csi_pmem ./csi_pmem
 # as the secret pip-ca (scripts/build-image.sh); a build without it uses the image's own.
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
- && python3 -m pip wheel --wheel-dir /wheels ".[driver,gpu-copy,loader]" \
+ && python3 -m pip wheel --wheel-dir /wheels ".[driver,gpu-copy,loader,s3]" \
  && python3 -m venv /opt/csi-pmem \
- && /opt/csi-pmem/bin/pip install --no-cache-dir --no-index --find-links /wheels "csi-pmem[driver,gpu-copy,loader]"
+ && /opt/csi-pmem/bin/pip install --no-cache-dir --no-index --find-links /wheels "csi-pmem[driver,gpu-copy,loader,s3]"
 
 FROM ${DEBIAN_IMAGE}
 ARG DEBIAN_IMAGE

@@ -11,10 +11,12 @@ setup:
 	@bash scripts/setup.sh
 
 # Conformance and test tools built from the Go module proxy, cached outside the repo:
-# csi-sanity, and promtool for the alert rules' unit tests (tests/test_alerts.py).
+# csi-sanity, promtool for the alert rules' unit tests (tests/test_alerts.py), and
+# versitygw, the S3 server the object-store staging tests run against (tests/s3server.py).
 tools:
 	@bash scripts/install-csi-sanity.sh >/dev/null
 	@bash scripts/install-promtool.sh >/dev/null
+	@bash scripts/install-s3-server.sh >/dev/null
 
 # The driver on its embedded default: emulated back end, two 2 GiB NUMA pools,
 # state, pools and kubelet directory under $(RUN_DIR). Publishing mounts tmpfs: run as root.
@@ -38,7 +40,7 @@ prebuild:
 # The host tiers only (about 5 minutes, as root): the unit tier, then the integration tier
 # (real gRPC, mounts, loop devices, cgroups, csi-sanity).
 check: setup tools proto-check lint deploy-check nri-test
-	CSI_SANITY_REQUIRED=1 PROMTOOL_REQUIRED=1 $(PY) -m pytest -q -ra --durations=15 tests
+	CSI_SANITY_REQUIRED=1 PROMTOOL_REQUIRED=1 S3_SERVER_REQUIRED=1 $(PY) -m pytest -q -ra --durations=15 tests
 
 # The torch tests that need no GPU (tests/torch_cpu): device="cpu" loads, the transformers
 # fill against from_pretrained, vLLM's --load-format csi-pmem against vLLM's own loader.

@@ -57,8 +57,9 @@ MEANING = {
     Exit.MISMATCH: "verify found chunks that do not match their checksums",
     Exit.REFUSED: "the driver answered with a gRPC error status (INVALID_ARGUMENT, "
                   "NOT_FOUND, OUT_OF_RANGE, RESOURCE_EXHAUSTED, ...), named in the message",
-    Exit.UNREACHABLE: "no answer from the driver: nothing listens at --endpoint, or no "
-                      "reply within --timeout (worth a retry)",
+    Exit.UNREACHABLE: "no answer from the driver (nothing listens at --endpoint, or no "
+                      "reply within --timeout), or from an s3:// source's server after "
+                      "its retries (worth a retry)",
     Exit.INTERRUPTED: "interrupted (Ctrl-C)",
     Exit.BROKEN_PIPE: "the reader closed the output early (`| head`); nothing is printed",
 }

@@ -63,6 +63,9 @@ WEIGHTS_AFTER_CHUNK = "weights-after-chunk"        # a chunk recorded (hit once 
 WEIGHTS_BEFORE_COMMIT = "weights-before-commit"    # every file done, model not committed
 WEIGHTS_INDEX_BODY = "weights-index-body"          # a new index body persisted, no header
 WEIGHTS_AFTER_COMMIT = "weights-after-commit"      # commit record persisted
+# In a copy thread, before a chunk's read (``sleep:S@N`` holds the Nth chunk's copy open,
+# so a signal lands mid-copy); not a step of the commit protocol, so not in WEIGHTS.
+WEIGHTS_BEFORE_CHUNK = "weights-before-chunk"
 WEIGHTS = (WEIGHTS_AFTER_PLAN, WEIGHTS_AFTER_COPY, WEIGHTS_AFTER_FILE, WEIGHTS_AFTER_CHUNK,
            WEIGHTS_BEFORE_COMMIT, WEIGHTS_INDEX_BODY, WEIGHTS_AFTER_COMMIT)
 # The clean-space ledger and the background eraser (tests/test_clean_space.py).

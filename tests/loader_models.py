@@ -270,10 +270,10 @@ def staging_interrupted_at(monkeypatch, prefix: str) -> Iterator[None]:
 
     real = staging._copy_chunk
 
-    def stop(volume, fd, entry, off, length, source, algo):
+    def stop(volume, reader, entry, off, length, algo):
         if entry.name.startswith(prefix):
             raise KeyboardInterrupt
-        return real(volume, fd, entry, off, length, source, algo)
+        return real(volume, reader, entry, off, length, algo)
 
     monkeypatch.setattr(staging, "_copy_chunk", stop)
     try:

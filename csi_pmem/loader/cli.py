@@ -43,7 +43,7 @@ from csi_pmem.cmdline import (
     quiet_interrupt,
 )
 from csi_pmem.cmdline import quantity as parse_size
-from csi_pmem.loader import auxfiles, sidecar, staging
+from csi_pmem.loader import auxfiles, sidecar, sources, staging
 from csi_pmem.loader.fingerprint import FINGERPRINTS
 from csi_pmem.loader.progress import Progress, wanted
 from csi_pmem.sizes import MiB, describe_size, round_up
@@ -53,8 +53,8 @@ from csi_pmem.weights.layout import INDEX_AREA, read_index
 from csi_pmem.weights.volume import DEFAULT_ALIGN, open_volume
 
 EXIT_ERROR, EXIT_MISMATCH = Exit.ERROR, Exit.MISMATCH
-EXIT_CODES = (Exit.OK, Exit.ERROR, Exit.USAGE, Exit.MISMATCH, Exit.INTERRUPTED,
-              Exit.BROKEN_PIPE)
+EXIT_CODES = (Exit.OK, Exit.ERROR, Exit.USAGE, Exit.MISMATCH, Exit.UNREACHABLE,
+              Exit.INTERRUPTED, Exit.BROKEN_PIPE)
 OUTPUT_HELP = ("output format, as csi-pmem volume's: table (the default when stdout is a "
                "terminal), json (the default otherwise, so scripts keep working; --json "
                "is the same), yaml (needs PyYAML), or name ({names}, one a line)")
@@ -309,18 +309,23 @@ def build_parser() -> argparse.ArgumentParser:
         if model:
             sp.add_argument("--model", help="model name (default: the only one)")
 
-    s = sub.add_parser("stage", help="copy a model directory onto the volume")
-    s.add_argument("src", metavar="SRC_DIR", help="directory of *.safetensors and configs")
+    s = sub.add_parser("stage", help="copy a model (a directory or s3://) onto the volume")
+    s.add_argument("src", metavar="SOURCE",
+                   help="directory of *.safetensors and configs, or s3://BUCKET/PREFIX/ "
+                        "(credentials and endpoint from the standard AWS_* variables or "
+                        "files: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                        "AWS_ENDPOINT_URL_S3, AWS_MAX_ATTEMPTS)")
     s.add_argument("volume", metavar="VOLUME")
-    s.add_argument("--name", help="model name (default: SRC_DIR's name)")
+    s.add_argument("--name", help="model name (default: the directory's name, or the "
+                                  "prefix's last part)")
     s.add_argument("--revision", default=None,
                    help="revision recorded with the model (default: the source's "
                         "fingerprint, the revision the staging sidecar records without "
                         "--revision, so neither copies again what the other staged)")
     s.add_argument("--fingerprint", choices=FINGERPRINTS, default="sample",
                    help="without --revision: sample (headers plus a few MiB of data; "
-                        "default) or full (hash every byte of the source); as the "
-                        "sidecar's --fingerprint")
+                        "for s3://, the objects' ETags and sizes; default) or full (hash "
+                        "every byte of the source); as the sidecar's --fingerprint")
     s.add_argument("--replace", action="store_true",
                    help="discard everything on the volume first")
     s.add_argument("--size", type=parse_size,
@@ -398,6 +403,9 @@ def _run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"csi-pmem-weights: error: {exc}", file=sys.stderr)
         return Exit.USAGE
+    except sources.SourceUnreachableError as exc:
+        print(f"csi-pmem-weights: error: {exc}", file=sys.stderr)
+        return Exit.UNREACHABLE
     except errors.LoaderError as exc:
         print(f"csi-pmem-weights: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

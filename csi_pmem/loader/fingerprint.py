@@ -21,15 +21,14 @@ without a copy.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from csi_pmem.loader.sources import SourceError, open_file
 from csi_pmem.sizes import MiB
 from csi_pmem.weights import checksum
-from csi_pmem.weights.errors import LoaderError
 from csi_pmem.weights.layout import KIND_SAFETENSORS, FileEntry, ModelEntry, SourceFile
-from csi_pmem.weights.stformat import Header, parse_header, read_header_file
+from csi_pmem.weights.stformat import Header, parse_header, read_header
 from csi_pmem.weights.volume import Volume
 
 SAMPLE_BYTES = 4096
@@ -43,10 +42,6 @@ FINGERPRINTS = ("sample", "full")
 Reader = Callable[[int, int], bytes]
 # -> (where the tensor data starts, tensor offsets), relative to the file.
 Tensors = Callable[[], tuple[int, list[int]]]
-
-
-class SourceError(LoaderError):
-    """The model source is missing, empty, not valid safetensors, or changed while read."""
 
 
 def _evenly(items: list[int], k: int) -> list[int]:
@@ -92,19 +87,26 @@ def _relative(header: Header, base: int) -> tuple[int, list[int]]:
 
 
 def _source_digest(src: SourceFile, mode: str) -> str:
-    fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
+    reader = open_file(src)
     try:
         def read(offset: int, length: int) -> bytes:
-            data = os.pread(fd, length, offset)
-            if len(data) != length:
-                raise SourceError(f"{src.path} became shorter while it was being "
-                                  "fingerprinted")
-            return data
+            try:
+                return reader.read(offset, length)
+            except SourceError as exc:
+                raise SourceError(f"{exc} (while it was being fingerprinted)") from exc
 
         return _digest(src.name, src.size, src.kind, mode, read,
-                       lambda: _relative(read_header_file(src.path), 0))
+                       lambda: _relative(read_header(read, src.size, src.path), 0))
     finally:
-        os.close(fd)
+        reader.close()
+
+
+def _etag_fingerprint(sources: list[SourceFile]) -> str:
+    """An object store's own word for the content: names, sizes, kinds and ETags."""
+    h = hashlib.sha256(b"csi-pmem-fingerprint-1 etag\n")
+    for s in sorted(sources, key=lambda s: s.name):
+        h.update(f"{s.name}\0{s.size}\0{s.kind}\0{s.etag}\n".encode())
+    return "etag-" + h.hexdigest()[:20]
 
 
 def _combine(mode: str, digests: list[str]) -> str:
@@ -124,9 +126,13 @@ def fingerprint(sources: list[SourceFile], mode: str = "sample",
     """A revision string for a source tree: ``fp-…`` (sampled) or ``sha-…`` (every byte).
 
     Independent of mtimes and of where the tree lives, so a copy of the same model
-    elsewhere gets the same revision.
+    elsewhere gets the same revision. Objects in a store (every file with an ETag) get
+    ``etag-…`` in mode ``sample`` instead: their names, sizes and ETags, which the
+    listing already gave, so a restart reads no data to know its revision.
     """
     _check_mode(mode)
+    if mode == "sample" and sources and all(s.etag for s in sources):
+        return _etag_fingerprint(sources)
     ordered = sorted(sources, key=lambda s: s.name)
     with ThreadPoolExecutor(threads or checksum.default_threads(),
                             thread_name_prefix="fingerprint") as pool:

@@ -43,6 +43,14 @@ from dataclasses import dataclass, field
 from csi_pmem import failpoints
 from csi_pmem.loader.fingerprint import fingerprint as source_fingerprint
 from csi_pmem.loader.fingerprint import staged_fingerprint
+from csi_pmem.loader.sources import (
+    Reader,
+    SourceError,
+    default_name,
+    default_threads,
+    open_file,
+)
+from csi_pmem.loader.sources import scan as scan_location
 from csi_pmem.sizes import describe_size, round_up
 from csi_pmem.weights import checksum
 from csi_pmem.weights.errors import (
@@ -55,7 +63,6 @@ from csi_pmem.weights.image import prepare_image, volume_image
 from csi_pmem.weights.layout import (
     COMMITTED,
     INDEX_AREA,
-    KIND_AUX,
     KIND_SAFETENSORS,
     STAGING,
     FileEntry,
@@ -68,7 +75,6 @@ from csi_pmem.weights.layout import (
     required_size,
     write_index,
 )
-from csi_pmem.weights.stformat import read_header_file
 from csi_pmem.weights.volume import DEFAULT_ALIGN, Volume, open_volume
 
 log = logging.getLogger(__name__)
@@ -107,29 +113,14 @@ class StageResult:
     adopted: bool = False
 
 
-def scan_source(src_dir: str) -> list[SourceFile]:
-    """Every regular file under ``src_dir`` (symlinks followed, as in a Hugging Face
-    snapshot), hidden names skipped; safetensors headers are validated up front."""
-    if not os.path.isdir(src_dir):
-        raise LoaderError(f"{src_dir} is not a directory")
-    found = []
-    for root, dirs, files in os.walk(src_dir, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for fname in sorted(files):
-            if fname.startswith("."):
-                continue
-            path = os.path.join(root, fname)
-            st = os.stat(path)
-            if not os.path.isfile(path):
-                continue
-            name = os.path.relpath(path, src_dir).replace(os.sep, "/")
-            kind = KIND_SAFETENSORS if fname.endswith(".safetensors") else KIND_AUX
-            if kind == KIND_SAFETENSORS:
-                read_header_file(path)
-            found.append(SourceFile(name, path, st.st_size, st.st_mtime_ns, kind))
+def scan_source(location: str) -> list[SourceFile]:
+    """Every file of the model at ``location`` (a directory, or ``s3://bucket/prefix/``:
+    :mod:`csi_pmem.loader.sources`), safetensors headers validated up front; refused
+    when it holds no safetensors file or its shard index names a missing shard."""
+    found = scan_location(location)
     if not any(s.kind == KIND_SAFETENSORS for s in found):
-        raise LoaderError(f"{src_dir} holds no *.safetensors file; nothing to stage")
-    _check_shard_index(src_dir, found)
+        raise SourceError(f"{location} holds no *.safetensors file; nothing to stage")
+    _check_shard_index(location, found)
     return found
 
 
@@ -139,8 +130,11 @@ def _check_shard_index(src_dir: str, found: list[SourceFile]) -> None:
         if not s.name.endswith(".safetensors.index.json"):
             continue
         try:
-            with open(s.path) as f:
-                weight_map = json.load(f).get("weight_map", {})
+            reader = open_file(s)
+            try:
+                weight_map = json.loads(reader.read(0, s.size)).get("weight_map", {})
+            finally:
+                reader.close()
         except (OSError, ValueError, AttributeError) as exc:
             raise LoaderError(f"{s.path} is not a valid shard index: {exc}") from exc
         prefix = os.path.dirname(s.name)
@@ -172,15 +166,11 @@ def _open_index(volume: Volume, replace: bool) -> Index:
     return index
 
 
-def _copy_chunk(volume: Volume, fd: int, entry: FileEntry, off: int, length: int,
-                source: str, algo: str) -> str:
+def _copy_chunk(volume: Volume, reader: Reader, entry: FileEntry, off: int,
+                length: int, algo: str) -> str:
+    failpoints.hit(failpoints.WEIGHTS_BEFORE_CHUNK)
     view = volume.view(entry.offset + off, length)
-    got = 0
-    while got < length:
-        n = os.preadv(fd, [view[got:]], off + got)
-        if n <= 0:
-            raise LoaderError(f"{source} became shorter while it was being staged")
-        got += n
+    reader.readinto(view, off)
     # Durable before the index can say the file is done; in this thread, because the
     # fence of a cache-flush persist orders only the calling thread's flushes.
     volume.persist(entry.offset + off, length)
@@ -205,15 +195,15 @@ class _Copier:
         self.volume, self.index, self.model = volume, index, model
         self.sources, self.threads, self.progress = sources, threads, progress
         self.total, self.done = total, done
-        self.fds: dict[str, int] = {}
+        self.readers: dict[str, Reader] = {}
         self.left: dict[str, int] = {}
         self.pending: dict[Future[str], tuple[FileEntry, int, int]] = {}
 
     def run(self, files: list[FileEntry]) -> None:
         """Copy the chunks of ``files`` not in their ``partial`` (verified by the
         caller) and record each file done."""
-        self.fds = {f.name: os.open(self.sources[f.name].path, os.O_RDONLY | os.O_CLOEXEC)
-                    for f in files}
+        for f in files:
+            self.readers[f.name] = open_file(self.sources[f.name])
         finished: queue.SimpleQueue[Future[str]] = queue.SimpleQueue()
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="stage")
         try:
@@ -223,9 +213,8 @@ class _Copier:
                     todo = [(i, r) for i, r in enumerate(ranges) if i not in f.partial]
                     self.left[f.name] = len(todo)
                     for i, (off, length) in todo:
-                        fut = pool.submit(_copy_chunk, self.volume, self.fds[f.name], f,
-                                          off, length, self.sources[f.name].path,
-                                          self.model.algo)
+                        fut = pool.submit(_copy_chunk, self.volume, self.readers[f.name],
+                                          f, off, length, self.model.algo)
                         self.pending[fut] = (f, i, length)
                         fut.add_done_callback(finished.put)
                     if not todo:
@@ -242,8 +231,8 @@ class _Copier:
                 raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-            for fd in self.fds.values():
-                os.close(fd)
+            for reader in self.readers.values():
+                reader.close()
 
     def _record(self, batch: list[Future[str]], *, salvage: bool = False) -> None:
         """Record the chunks of ``batch`` (completed futures) in the index, finishing
@@ -297,11 +286,7 @@ class _Copier:
                         exc)
 
     def _finish(self, f: FileEntry) -> None:
-        src = self.sources[f.name]
-        st = os.fstat(self.fds[f.name])
-        if (st.st_size, st.st_mtime_ns) != (src.size, src.mtime_ns):
-            raise LoaderError(f"{src.path} changed while it was being staged; run stage "
-                              "again once the source is complete")
+        self.readers[f.name].check_unchanged()
         n = len(chunk_ranges(f.length, self.model.chunk_size))
         f.chunks, f.done, f.partial = [f.partial[i] for i in range(n)], True, {}
         write_index(self.volume, self.index)
@@ -376,12 +361,12 @@ def repair(volume: Volume, index: Index, model: ModelEntry, sources: list[Source
     with ThreadPoolExecutor(threads, thread_name_prefix="repair") as pool:
         for fname, chunks in damaged.items():
             entry, src = model.file(fname), by_name[fname]
-            fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
+            reader = open_file(src)
             try:
-                got = list(pool.map(lambda c, e=entry, fd=fd, src=src: _copy_chunk(
-                    volume, fd, e, c.offset - e.offset, c.length, src.path, c.algo), chunks))
+                got = list(pool.map(lambda c, e=entry, r=reader: _copy_chunk(
+                    volume, r, e, c.offset - e.offset, c.length, c.algo), chunks))
             finally:
-                os.close(fd)
+                reader.close()
             result.files.append(fname)
             result.chunks += len(chunks)
             result.copied += sum(c.length for c in chunks)
@@ -471,10 +456,11 @@ def _reusable(volume: Volume, model: ModelEntry, sources: dict[str, SourceFile],
     return reused
 
 
-def stage(volume: Volume, src_dir: str, *, name: str | None = None,
+def stage(volume: Volume, src: str, *, name: str | None = None,
           revision: str | None = "", fingerprint: str = "sample", replace: bool = False,
           threads: int | None = None, progress: Progress | None = None) -> StageResult:
-    """Copy ``src_dir`` into the volume as model ``name`` (default: the directory name).
+    """Copy the model at ``src`` (a directory or ``s3://bucket/prefix/``) into the volume
+    as model ``name`` (default: the directory's name, or the prefix's last component).
 
     ``revision=None`` records the source's fingerprint in mode ``fingerprint`` (what the
     staging sidecar records without ``--revision``), and adopts a model of that name
@@ -486,8 +472,9 @@ def stage(volume: Volume, src_dir: str, *, name: str | None = None,
         raise ReadOnlyVolumeError(
             f"{volume.source} is opened read-only; staging needs a writable volume")
     started = time.monotonic()
-    name = name or os.path.basename(os.path.normpath(src_dir))
-    sources = scan_source(src_dir)
+    name = name or default_name(src)
+    threads = threads or default_threads(src, checksum.default_threads())
+    sources = scan_source(src)
     fingerprinted = revision is None
     if revision is None:
         revision = source_fingerprint(sources, fingerprint, threads)
@@ -517,7 +504,6 @@ def stage(volume: Volume, src_dir: str, *, name: str | None = None,
     failpoints.hit(failpoints.WEIGHTS_AFTER_PLAN)
 
     by_name = {s.name: s for s in sources}
-    threads = threads or checksum.default_threads()
     total = model.size
     reused = _reusable(volume, model, by_name, threads)
     if progress:  # the bar appears now, not with the first chunk

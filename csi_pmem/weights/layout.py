@@ -443,11 +443,17 @@ def write_index(volume: Volume, index: Index, *, commit: bool = False) -> None:
 
 @dataclass(frozen=True)
 class SourceFile:
+    """One file of a model's source. ``path`` is where it is read from (a file's path,
+    or ``s3://bucket/key`` for an object); ``mtime_ns`` is the object's last-modified
+    time for an object; ``etag`` is an object's ETag (empty for files): what the
+    object store says changes with its content."""
+
     name: str
     path: str
     size: int
     mtime_ns: int
     kind: str
+    etag: str = ""
 
 
 def plan_files(sources: list[SourceFile], start: int, align: int) -> list[FileEntry]:

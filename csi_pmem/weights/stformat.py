@@ -147,6 +147,13 @@ def parse_header(buf: Any, base: int = 0, length: int | None = None,
     return _build(source, raw, base + 8 + hlen, length - 8 - hlen)
 
 
+def read_header(read: Any, size: int, source: str) -> Header:
+    """Parse the header of a safetensors file of ``size`` bytes that only ``read(offset,
+    length) -> bytes`` reaches (an object in a store, read by range): two reads."""
+    hlen = _header_len(source, read(0, min(8, size)), size)
+    return _build(source, read(8, hlen), 8 + hlen, size - 8 - hlen)
+
+
 def read_header_file(path: str) -> Header:
     """Parse a safetensors file on disk (a staging source), reading its header only."""
     with open(path, "rb") as f:

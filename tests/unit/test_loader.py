@@ -402,11 +402,11 @@ def test_interrupted_stage_is_not_trusted_and_resumes(shm, monkeypatch):
     real = staging._copy_chunk
     calls = []
 
-    def flaky(volume, fd, entry, off, length, source, algo):
+    def flaky(volume, reader, entry, off, length, algo):
         calls.append(entry.name)
         if len(calls) == 5:
             raise OSError("simulated I/O error mid-copy")
-        return real(volume, fd, entry, off, length, source, algo)
+        return real(volume, reader, entry, off, length, algo)
 
     monkeypatch.setattr(staging, "_copy_chunk", flaky)
     with open_volume(shm / "vol", writable=True) as v, pytest.raises(OSError, match="mid-copy"):

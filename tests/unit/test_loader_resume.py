@@ -86,13 +86,13 @@ def counting_copies(monkeypatch, fail_after: int | None = None) -> list[str]:
     calls: list[str] = []
     lock = threading.Lock()
 
-    def copy(volume, fd, entry, off, length, source, algo):
+    def copy(volume, reader, entry, off, length, algo):
         with lock:
             calls.append(f"{entry.name}:{off}")
             n = len(calls)
         if fail_after is not None and n > fail_after:
             raise OSError("simulated read error")
-        return real(volume, fd, entry, off, length, source, algo)
+        return real(volume, reader, entry, off, length, algo)
 
     monkeypatch.setattr(staging, "_copy_chunk", copy)
     return calls
@@ -106,11 +106,11 @@ def lockstep(monkeypatch) -> None:
     state = threading.Condition()
     copies, recorded = itertools.count(), [0]
 
-    def copy(volume, fd, entry, off, length, source, algo):
+    def copy(volume, reader, entry, off, length, algo):
         n = next(copies)
         with state:
             assert state.wait_for(lambda: recorded[0] >= n, timeout=60)
-        return real_copy(volume, fd, entry, off, length, source, algo)
+        return real_copy(volume, reader, entry, off, length, algo)
 
     def record(self, batch, **kw):
         try:

@@ -42,14 +42,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dax.sock, or an fsdax file system volume's, which gets the image "
                         "file csi-pmem-weights.img), a device or a plain file; must be "
                         "writable to stage")
-    p.add_argument("--source", required=True, metavar="DIR",
-                   help="directory holding the model files")
+    p.add_argument("--source", required=True, metavar="DIR|s3://BUCKET/PREFIX/",
+                   help="the model files: a directory (a read-only PVC, an image volume) "
+                        "or an S3-compatible store's prefix (credentials and endpoint "
+                        "from the standard AWS_* variables, e.g. from a Secret)")
     p.add_argument("--name", required=True, metavar="NAME", help="model name on the volume")
     p.add_argument("--revision", default=None, metavar="REV",
                    help="wanted revision (default: a fingerprint of the source)")
     p.add_argument("--fingerprint", choices=FINGERPRINTS, default="sample",
                    help="without --revision: sample (headers plus a few MiB of data; "
-                        "default) or full (hash every byte of the source)")
+                        "for s3://, the objects' ETags and sizes; default) or full (hash "
+                        "every byte of the source)")
     p.add_argument("--listen", type=parse_listen, default=("", 8081), metavar="[HOST]:PORT",
                    help="HTTP address for /readyz, /healthz, /status and /metrics (default :8081)")
     p.add_argument("--ready-file", default=None, metavar="PATH",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-# The source's own error, raised by the fingerprint too; re-exported for the sidecar.
-from csi_pmem.loader.fingerprint import SourceError
+# The source's own error, raised by staging and the fingerprint too; re-exported.
+from csi_pmem.loader.sources import SourceError
 
 __all__ = ["SourceError", "event", "log"]
 

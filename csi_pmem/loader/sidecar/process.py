@@ -22,6 +22,7 @@ from csi_pmem.loader.sidecar.reconcile import Outcome, ensure_model
 from csi_pmem.loader.sidecar.revision import wanted
 from csi_pmem.loader.sidecar.status import Progress, Status, classify, process_age
 from csi_pmem.loader.sidecar.verify import damage, verify_model
+from csi_pmem.loader.sources import is_s3
 from csi_pmem.loader.staging import open_for_staging, scan_source
 from csi_pmem.weights.errors import (
     ChecksumError,
@@ -86,7 +87,7 @@ class Sidecar:
         started = time.monotonic()
         st.update(state="scanning", phases={})
         with self._phase("scan"):
-            if not os.path.isdir(cfg.source):
+            if not is_s3(cfg.source) and not os.path.isdir(cfg.source):
                 missing = "does not exist" if not os.path.exists(cfg.source) else \
                     "is not a directory"
                 raise SourceError(

@@ -14,6 +14,7 @@ from typing import Any
 
 from csi_pmem import daxclient, failpoints
 from csi_pmem.loader.sidecar.events import SourceError, event
+from csi_pmem.loader.sources import SourceUnreachableError
 from csi_pmem.weights.errors import (
     ChecksumError,
     LayoutError,
@@ -32,6 +33,8 @@ PROGRESS_INTERVAL = 2.0
 
 def classify(exc: BaseException) -> str:
     """A short, stable name for the kind of failure (``/status`` ``error_kind``)."""
+    if isinstance(exc, SourceUnreachableError):
+        return "source-unreachable"
     if isinstance(exc, SourceError | SafetensorsFormatError):
         return "source"
     if isinstance(exc, ReadOnlyVolumeError):
