@@ -336,3 +336,15 @@ def test_progress_moves_with_the_chunks_of_an_s3_stage(server, model, shm, in_pr
     assert len(set(seen)) >= chunks // 2 >= 10  # the bar moves as chunks complete
     assert seen == sorted(seen)
     assert_bit_exact(vol, src)
+
+
+@pytest.mark.parametrize("url", ["s3:///prefix/", "s3:/bucket/x", "s3://bucket/x?versionId=1"])
+def test_a_malformed_s3_url_is_a_usage_error(url, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for argv in (["stage", url, str(tmp_path / "vol"), "--size", "16Mi"],
+                 ["sidecar", "--volume", str(tmp_path / "vol"), "--source", url,
+                  "--name", "m", "--once"]):
+        p = weights(*argv, env=env)
+        assert p.returncode == 2, p.stderr
+        assert "is not an S3 location; write s3://BUCKET/PREFIX/" in p.stderr
+    assert not (tmp_path / "vol").exists()

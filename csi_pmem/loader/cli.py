@@ -79,6 +79,15 @@ def align_size(text: str) -> int:
     return value
 
 
+def source_location(text: str) -> str:
+    """A staging source's form checked at parse time: a bad ``s3://`` URL is a usage
+    error (exit 2), not a failed stage."""
+    try:
+        return sources.check_location(text)
+    except sources.SourceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def progress(verb: str, args: argparse.Namespace) -> Progress:
     return Progress(verb, wanted(args.progress))
 
@@ -310,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--model", help="model name (default: the only one)")
 
     s = sub.add_parser("stage", help="copy a model (a directory or s3://) onto the volume")
-    s.add_argument("src", metavar="SOURCE",
+    s.add_argument("src", metavar="SOURCE", type=source_location,
                    help="directory of *.safetensors and configs, or s3://BUCKET/PREFIX/ "
                         "(credentials and endpoint from the standard AWS_* variables or "
                         "files: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "

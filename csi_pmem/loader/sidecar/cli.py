@@ -11,6 +11,7 @@ from csi_pmem.loader.sidecar.probes import parse_listen
 from csi_pmem.loader.sidecar.process import Config, Sidecar
 from csi_pmem.loader.sidecar.revision import FINGERPRINTS
 from csi_pmem.loader.sidecar.verify import VERIFY_MODES
+from csi_pmem.loader.sources import SourceError, check_location
 
 
 def configure_logging(fmt: str) -> None:
@@ -36,6 +37,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _source(text: str) -> str:
+    try:
+        return check_location(text)
+    except SourceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--volume", required=True, metavar="PATH",
                    help="the PMEM volume: its mount directory (a devdax volume's, with "
@@ -43,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "file csi-pmem-weights.img), a device or a plain file; must be "
                         "writable to stage")
     p.add_argument("--source", required=True, metavar="DIR|s3://BUCKET/PREFIX/",
+                   type=_source,
                    help="the model files: a directory (a read-only PVC, an image volume) "
                         "or an S3-compatible store's prefix (credentials and endpoint "
                         "from the standard AWS_* variables, e.g. from a Secret)")

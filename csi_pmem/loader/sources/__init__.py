@@ -23,13 +23,24 @@ from csi_pmem.loader.sources.base import (
 from csi_pmem.weights.layout import SourceFile
 
 __all__ = ["Reader", "SourceChangedError", "SourceError", "SourceUnreachableError",
-           "default_name", "default_threads", "is_s3", "open_file", "scan"]
+           "check_location", "default_name", "default_threads", "is_s3", "open_file",
+           "scan"]
 
 S3_SCHEME = "s3://"
 
 
 def is_s3(location: str) -> bool:
     return location.startswith(S3_SCHEME)
+
+
+def check_location(location: str) -> str:
+    """``location`` when its form is valid (an ``s3://`` URL names a bucket), else
+    :class:`SourceError` saying how to write it; reads nothing."""
+    if is_s3(location) or location.lower().startswith("s3:"):
+        from csi_pmem.loader.sources import s3
+
+        s3.split(location)
+    return location
 
 
 def scan(location: str) -> list[SourceFile]:

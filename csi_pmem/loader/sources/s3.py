@@ -36,7 +36,7 @@ from csi_pmem.weights.layout import KIND_AUX, KIND_SAFETENSORS, SourceFile
 from csi_pmem.weights.stformat import read_header
 
 SCHEME = "s3://"
-PIECE = 8 * MiB  # one read from the HTTP response into the mapping
+PIECE = MiB  # one read from the HTTP response into the mapping (urllib3 copies each)
 DEFAULT_ATTEMPTS = 5  # botocore's standard retry mode: total attempts per request
 THREADS = 16  # ranged GETs in flight: the network, not the CPU, is the limit
 
