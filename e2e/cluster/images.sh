@@ -8,6 +8,10 @@
 #   provisioner, registrar, livenessprobe: one static Go binary each (from build.sh)
 #   csi-pmem-nri the NRI plugin, one static binary, only with E2E_NRI_BIN (its path:
 #                build.sh nri's directory + /csi-pmem-nri)
+#   model        a small safetensors model and nothing else (model_image.py: no entry
+#                point, owned by root), the image volume of test_image_volume.py; only
+#                with E2E_NRI_BIN, whose test bed runs containerd 2.x (image volumes
+#                need containerd 2.1 or later)
 # Every tarball is cached under $CSI_PMEM_CACHE/cluster/images keyed by its inputs, so a
 # warm run only checks. Prints the path of an env file with the image references.
 #
@@ -46,7 +50,7 @@ bin_layer() {  # bin_layer NAME SRC_PATH -> path of a layer tar holding /NAME
   echo "${out}"
 }
 
-env_file="${idir}/images-$(printf '%s\n' "${app_key}" "$(sha256sum "${bindir}"/* /usr/bin/catatonit ${E2E_NRI_BIN:+"${E2E_NRI_BIN}"} 2>/dev/null)" | h).env"
+env_file="${idir}/images-$(printf '%s\n' "${app_key}" "$(sha256sum "${bindir}"/* /usr/bin/catatonit ${E2E_NRI_BIN:+"${E2E_NRI_BIN}" "${here}/model_image.py"} 2>/dev/null)" | h).env"
 : > "${env_file}.tmp"
 image() {  # image VAR NAME TAG ARCHIVE_ARGS...
   local var=$1 name=$2 tag=$3; shift 3
@@ -78,6 +82,21 @@ if [[ -n "${E2E_NRI_BIN:-}" ]]; then
   layer=$(bin_layer csi-pmem-nri "${E2E_NRI_BIN}")
   image NRI_IMAGE csi-pmem-nri "$(sha256sum "${layer}" | h)" --layer "${layer}" \
     --entrypoint '["/csi-pmem-nri"]'
+  # The model's one layer is written by model_image.py alone (the same bytes on every
+  # machine), so the script's hash is the image's key.
+  model_key=$(sha256sum "${here}/model_image.py" "${here}/mkimage.py" | h)
+  model_ref="localhost/csi-pmem-e2e/model:${model_key}"
+  model_out="${idir}/model-${model_key}.tar"
+  if [[ ! -f "${model_out}" ]]; then
+    d=$(mktemp -d)
+    "${PY}" "${here}/model_image.py" layer "${d}/layer.tar"
+    "${PY}" "${here}/mkimage.py" -o "${model_out}" --tag "${model_ref}" \
+      --layer "${d}/layer.tar" --label org.opencontainers.image.title=csi-pmem-e2e-model \
+      > /dev/null
+    rm -rf "${d}"
+  fi
+  echo "MODEL_IMAGE=${model_ref}" >> "${env_file}.tmp"
+  echo "MODEL_IMAGE_ARCHIVE=${model_out}" >> "${env_file}.tmp"
 fi
 mv "${env_file}.tmp" "${env_file}"
 # Keep the cache from growing with every source change: drop archives and layers that

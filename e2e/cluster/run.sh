@@ -12,7 +12,8 @@
 #      E2E_NODES (default 2): 2 runs test_cluster.py on node A, then test_two_nodes.py
 #      on both, then test_node_crash.py (kills node B; down.sh cleans up after it);
 #      1 brings up node A alone and runs test_cluster.py only.
-#      E2E_NRI=1: containerd 2.x with NRI (build.sh containerd nri) and test_nri.py too.
+#      E2E_NRI=1: containerd 2.x with NRI (build.sh containerd nri) and test_nri.py and
+#      test_image_volume.py too.
 set -euo pipefail
 shopt -s inherit_errexit
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -26,7 +27,7 @@ while (($#)); do
     --keep) keep=1 ;;
     --storage-e2e) storage=1 ;;
     --) shift; pytest_args=("$@"); break ;;
-    -h|--help) sed -n 2,15p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -65,7 +66,8 @@ if [[ "${E2E_NRI:-0}" == 1 ]]; then
   E2E_NRI_BIN="$(bash "${here}/build.sh" nri | tail -1)/csi-pmem-nri"
   export E2E_CONTAINERD_BIN E2E_NRI_BIN
   step build-nri "${s}"
-  tests+=("${here}/test_nri.py")
+  # containerd 2.x: also image volumes (the model image of images.sh) as the source.
+  tests+=("${here}/test_nri.py" "${here}/test_image_volume.py")
 fi
 # Last: it leaves node B dead with a pod on it, for the tear-down to clean up.
 [[ "${E2E_NODES}" == 1 ]] || tests+=("${here}/test_node_crash.py")

@@ -318,9 +318,10 @@ import_images() {  # import_images SOCKET: every image into one node's container
   local t0; t0=$(date +%s)
   ctr_() { ctr --address "$1" -n k8s.io "${@:2}"; }
   local v
-  for v in PAUSE DRIVER WORKLOAD PROVISIONER REGISTRAR LIVENESSPROBE NRI; do
+  for v in PAUSE DRIVER WORKLOAD PROVISIONER REGISTRAR LIVENESSPROBE NRI MODEL; do
     local a="${v}_IMAGE_ARCHIVE"
-    [[ "${v}" == NRI && -z "${!a:-}" ]] && continue  # images.sh made it (E2E_NRI=1)
+    # NRI and MODEL: only when images.sh made them (E2E_NRI=1)
+    [[ "${v}" == NRI || "${v}" == MODEL ]] && [[ -z "${!a:-}" ]] && continue
     ctr_ "$1" images import --no-unpack=false "${!a}" > /dev/null
   done
   # Pin the sandbox image so kubelet's image GC never removes it.
