@@ -878,24 +878,33 @@ def test_examples_parse_and_pass_pod_security_restricted():
     specs = pod_specs(docs)
     assert len(specs) >= 2
     for name, spec in specs:
-        pod_sc = spec.get("securityContext", {})
-        assert not spec.get("hostNetwork") and not spec.get("hostPID"), name
-        for v in spec.get("volumes", []):
-            assert set(v) - {"name"} <= {"persistentVolumeClaim", "configMap", "emptyDir",
-                                         "csi", "projected", "secret", "downwardAPI",
-                                         "ephemeral"}, (name, v)
-        for c in spec.get("initContainers", []) + spec["containers"]:
-            csc = c.get("securityContext", {})
-            where = f"{name}/{c['name']}"
-            assert csc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, where
-            assert csc.get("runAsUser", pod_sc.get("runAsUser", 1)) != 0, where
-            assert csc.get("allowPrivilegeEscalation") is False, where
-            assert "ALL" in csc.get("capabilities", {}).get("drop", []), where
-            assert not csc.get("capabilities", {}).get("add"), where
-            assert not csc.get("privileged"), where
-            seccomp = csc.get("seccompProfile", pod_sc.get("seccompProfile", {}))
-            assert seccomp.get("type") == "RuntimeDefault", where
+        check_restricted(name, spec)
         check_sidecar_wiring(name, spec, claims)
+
+
+# The volume types Pod Security "restricted" admits (k8s.io/pod-security-admission
+# v0.36.3, policy/check_restrictedVolumes.go: image volumes included).
+RESTRICTED_VOLUMES = {"persistentVolumeClaim", "configMap", "emptyDir", "csi", "projected",
+                      "secret", "downwardAPI", "ephemeral", "image"}
+
+
+def check_restricted(name: str, spec: dict) -> None:
+    """What Pod Security "restricted" requires of a pod spec."""
+    pod_sc = spec.get("securityContext", {})
+    assert not spec.get("hostNetwork") and not spec.get("hostPID"), name
+    for v in spec.get("volumes", []):
+        assert set(v) - {"name"} <= RESTRICTED_VOLUMES, (name, v)
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        csc = c.get("securityContext", {})
+        where = f"{name}/{c['name']}"
+        assert csc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is True, where
+        assert csc.get("runAsUser", pod_sc.get("runAsUser", 1)) != 0, where
+        assert csc.get("allowPrivilegeEscalation") is False, where
+        assert "ALL" in csc.get("capabilities", {}).get("drop", []), where
+        assert not csc.get("capabilities", {}).get("add"), where
+        assert not csc.get("privileged"), where
+        seccomp = csc.get("seccompProfile", pod_sc.get("seccompProfile", {}))
+        assert seccomp.get("type") == "RuntimeDefault", where
 
 
 def check_sidecar_wiring(name: str, spec: dict, claims: dict) -> None:
@@ -922,6 +931,43 @@ def check_sidecar_wiring(name: str, spec: dict, claims: dict) -> None:
     assert str(main["resources"]["limits"]["nvidia.com/gpu"]) == "1", name
     source = [m for m in side["volumeMounts"] if args.source.startswith(m["mountPath"])]
     assert source and source[0].get("readOnly") is True, name
+
+
+def test_source_examples_are_the_sidecars_source():
+    """deploy/examples/sources/: a pod spec per kind of source (an image volume today),
+    each on the StorageClass of deploy/examples, restricted, wired as the sidecar
+    example is, with the source volume the sidecar reads; none of them in the
+    kustomization (their image references are placeholders)."""
+    (sc,) = [d for d in example_docs() if d["kind"] == "StorageClass"]
+    files = sorted((EXAMPLES / "sources").glob("*.yaml"))
+    assert [f.name for f in files] == ["image-volume.yaml"]
+    (k,) = [d for d in example_docs() if d["kind"] == "Kustomization"]
+    assert not [f for f in k["resources"] if f.startswith("sources/")]
+    for path in files:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        claims = {d["metadata"]["name"]: d for d in docs
+                  if d["kind"] == "PersistentVolumeClaim"}
+        assert claims and all(c["spec"]["storageClassName"] == sc["metadata"]["name"]
+                              for c in claims.values()), path.name
+        specs = pod_specs(docs)
+        assert specs, path.name
+        for name, spec in specs:
+            check_restricted(name, spec)
+            check_sidecar_wiring(name, spec, claims)
+            (side,) = [c for c in spec["initContainers"] if c.get("restartPolicy") == "Always"]
+            args = weights_cli.build_parser().parse_args(side["command"][1:] + side["args"])
+            (mount,) = [m for m in side["volumeMounts"]
+                        if args.source.startswith(m["mountPath"].rstrip("/") + "/")]
+            source = {v["name"]: v for v in spec["volumes"]}[mount["name"]]
+            if path.name == "image-volume.yaml":
+                # The image volume API (core/v1 ImageVolumeSource): a reference and a
+                # pull policy, nothing else; the model below /models (ModelCar).
+                assert set(source["image"]) == {"reference", "pullPolicy"}, source
+                assert source["image"]["pullPolicy"] in ("Always", "Never", "IfNotPresent")
+                assert args.source == mount["mountPath"] + "/models", args.source
+                # Only the sidecar reads the image.
+                assert not [m for c in spec["containers"] for m in c["volumeMounts"]
+                            if m["name"] == mount["name"]], name
 
 
 def test_kustomization_lists_existing_files():
