@@ -205,7 +205,7 @@ def test_filesystem_volume_is_staged_once_and_bound_into_pods(driver, fs_type, s
 
 def test_restage_keeps_data_and_never_reformats(driver):
     cap = fs_cap("ext4")
-    vid = driver.create("keep", params=FSDAX, caps=[cap]).volume.volume_id
+    vid = driver.create("keep", params=FSDAX, caps=[fs_cap()]).volume.volume_id
     staging = driver.staging("keep")
     driver.stage(vid, staging, cap=cap)
     with open(os.path.join(staging, "kept"), "w") as f:
@@ -226,6 +226,23 @@ def test_restage_keeps_data_and_never_reformats(driver):
     # Staged already, with other settings: ALREADY_EXISTS, as for publish.
     assert code_of(driver.stage, vid, staging, cap=fs_cap("ext4", flags=["noatime"])) == \
         grpc.StatusCode.ALREADY_EXISTS
+    driver.unstage(vid, staging)
+    driver.delete(vid)
+
+
+def test_the_file_system_named_at_create_is_made_by_a_stage_naming_none(driver):
+    """Issue 45: created for xfs, staged without an fsType (as `csi-pmem volume stage`
+    does): real mkfs.xfs, a real xfs mount; another file system is refused first."""
+    vid = driver.create("xfs-named", size=320 * MiB, params=FSDAX,
+                        caps=[fs_cap("xfs")]).volume.volume_id
+    staging = driver.staging("xfs-named")
+    with pytest.raises(grpc.RpcError) as info:
+        driver.stage(vid, staging, cap=fs_cap("ext4"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "was created for xfs" in info.value.details()
+    assert mounts_below(driver) == []
+    driver.stage(vid, staging, cap=fs_cap())
+    assert mounts.find(staging).fstype == "xfs"
     driver.unstage(vid, staging)
     driver.delete(vid)
 

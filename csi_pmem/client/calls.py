@@ -155,13 +155,14 @@ def _found(ctl: csi_pb2_grpc.ControllerStub, vid: str,
         raise
 
 
-def _device_mode(ctl: csi_pb2_grpc.ControllerStub, vid: str, timeout: float) -> str:
-    """The volume's device mode from its volume_context ("" if it cannot be told)."""
+def _context(ctl: csi_pb2_grpc.ControllerStub, vid: str, timeout: float) -> dict[str, str]:
+    """The volume's volume_context (empty if it cannot be told)."""
     try:
         got = _found(ctl, vid, timeout)
     except grpc.RpcError:
-        return ""
-    return got.volume.volume_context.get("deviceMode", "") if got is not None else ""
+        return {}
+    return dict(got.volume.volume_context) if got is not None else {}
+
 
 
 def _delete(ctl: csi_pb2_grpc.ControllerStub, ids: list[str], timeout: float) -> dict:
@@ -226,7 +227,8 @@ def _call(args: argparse.Namespace, channel: grpc.Channel) -> dict:
         node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
             volume_id=args.volume_id, staging_target_path=os.path.abspath(args.staging),
             volume_capability=_cap(False, args)), timeout=t)
-        mode = _device_mode(ctl, args.volume_id, t)
+        ctx = _context(ctl, args.volume_id, t)
+        mode = ctx.get("deviceMode", "")
         doc = {"staged": args.volume_id, "staging": os.path.abspath(args.staging),
                "device_mode": mode}
         # NodeStageVolume succeeds for every volume (kubelet calls it for each), but only
@@ -235,7 +237,7 @@ def _call(args: argparse.Namespace, channel: grpc.Channel) -> dict:
         if mode == "devdax" or args.block:
             doc["nothing_to_stage"] = True
         elif mode == "fsdax":
-            doc["fs_type"] = args.fs_type or "ext4"
+            doc["fs_type"] = args.fs_type or ctx.get("fsType") or "ext4"
         return doc
     if args.action == "unstage":
         node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(

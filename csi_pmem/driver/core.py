@@ -49,6 +49,7 @@ from csi_pmem.driver.erasing.cleanspace import CleanSpace
 from csi_pmem.driver.erasing.eraser import DELETE, STOP_TIMEOUT, EraseQueue
 from csi_pmem.driver.erasing.namespace import NamespaceEraser
 from csi_pmem.driver.erasing.scrub import Scrubber
+from csi_pmem.driver.host import filesystems
 from csi_pmem.driver.host.filesystems import Usage
 from csi_pmem.driver.host.mounter import HostMounter, Mounter
 from csi_pmem.driver.locks import InFlight
@@ -218,7 +219,9 @@ class Driver:
 
     # ------------------------------------------------------------------ create
     def create_volume(self, name: str, required: int, limit: int,
-                      params: VolumeParams) -> VolumeRecord:
+                      params: VolumeParams, fs_type: str = "") -> VolumeRecord:
+        """CreateVolume; ``fs_type``: the file system an fsdax volume's mount capability
+        named, recorded for NodeStageVolume (empty: none named)."""
         if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise InvalidArgument(f"volume name is longer than {MAX_NAME_BYTES} bytes")
         request = self._request_size(required, limit)
@@ -229,9 +232,9 @@ class Driver:
                 self.deleter.finish_pending(existing)
                 existing = self.store.get(vid)
             if existing is not None:
-                self._check_compatible(existing, name, required, limit, params)
+                self._check_compatible(existing, name, required, limit, params, fs_type)
                 return existing
-            return self._create(vid, name, request, required, limit, params)
+            return self._create(vid, name, request, required, limit, params, fs_type)
 
     @staticmethod
     def _request_size(required: int, limit: int) -> int:
@@ -248,7 +251,7 @@ class Driver:
         return required or limit
 
     def _create(self, vid: str, name: str, request: int, required: int, limit: int,
-                params: VolumeParams) -> VolumeRecord:
+                params: VolumeParams, fs_type: str) -> VolumeRecord:
         with self.scrubber.creating():  # no scrub holds free space while we carve
             pool, record, ns, zero = self._carve(vid, name, request, required, limit, params)
         failpoints.hit(failpoints.CREATE_AFTER_NAMESPACE)
@@ -257,7 +260,7 @@ class Driver:
         capacity = promised_size(ns.usable_size, limit, params.align)
         intent, record = record, replace(record, state=READY, size=ns.size,
                                          usable_size=capacity, device=ns.device,
-                                         numa_node=ns.numa_node)
+                                         numa_node=ns.numa_node, fs_type=fs_type)
         if capacity < required:
             raise BackendError(
                 f"namespace {vid} offers {describe_size(ns.usable_size)}, below the "
@@ -384,7 +387,7 @@ class Driver:
         return max(fits_now, key=lambda s: (s[0].free, -s[0].numa_node))
 
     def _check_compatible(self, rec: VolumeRecord, name: str, required: int, limit: int,
-                          params: VolumeParams) -> None:
+                          params: VolumeParams, fs_type: str = "") -> None:
         pool = self.backend.pool(rec.pool)
         problems = params.compatible_with(rec.params, rec.numa_node,
                                           media=pool.media if pool is not None else None)
@@ -394,6 +397,8 @@ class Driver:
         if limit and rec.usable_size > limit:
             problems.append(f"size: existing {describe_size(rec.usable_size)} exceeds limit "
                             f"{describe_size(limit)}")
+        if fs_type and rec.fs_type and fs_type != rec.fs_type:
+            problems.append(f"fsType: existing {rec.fs_type}, requested {fs_type}")
         if problems:
             raise AlreadyExists(
                 f"volume {name!r} already exists with different properties ("
@@ -463,6 +468,17 @@ class Driver:
     # ------------------------------------------------------------------ node
     def _node(self, rec: VolumeRecord) -> NodePublisher:
         return self.nodes[FSDAX if rec.device_mode == FSDAX else DEVDAX]
+
+    def fs_type(self, vid: str, asked: str) -> str:
+        """The file system an fsdax mount of ``vid`` gets: ``asked`` (a node call's
+        capability), else the one CreateVolume named, else ext4. Asking for another one
+        than CreateVolume named is INVALID_ARGUMENT, before anything is formatted."""
+        recorded = self.get(vid).fs_type
+        if asked and recorded and asked != recorded:
+            raise InvalidArgument(
+                f"volume {vid} was created for {recorded} (CreateVolume's fsType), not "
+                f"{asked}: stage it as {recorded}, or leave fsType empty")
+        return asked or recorded or filesystems.DEFAULT_FS_TYPE
 
     def stage(self, vid: str, path: str, access: Access) -> None:
         """NodeStageVolume: mount an fsdax file system once per node; nothing for devdax

@@ -115,6 +115,9 @@ class VolumeRecord:
     # yet been followed by a successful mount (a retry formats again).
     block_used: bool = False
     formatting: bool = False
+    # fsdax: the file system CreateVolume's mount capability named (empty: none named),
+    # what NodeStageVolume makes when its own capability names none.
+    fs_type: str = ""
     # DELETING: the erase was verified and only the destroy is left, so a resumed delete
     # destroys without erasing again. It also resumes a destroy cut short after ndctl's
     # disable-namespace, whose device is gone and could not be erased again anyway.

@@ -118,6 +118,24 @@ def test_stage_of_xfs_on_a_small_fsdax_volume_is_one_precise_error(served, capsy
     assert out.strip() == f"volume {vid} staged at {staging} as ext4"
 
 
+def test_fs_type_given_at_create_is_what_stage_makes(served, capsys):
+    """`volume create --fs-type xfs`, then `volume stage` without one: xfs, said so in
+    the answer; `stage --fs-type ext4` of it is refused before anything is made."""
+    code, out, err = volume(served, capsys, "create", "x3", "--size", "320Mi",
+                            "-p", "deviceMode=fsdax", "--fs-type", "xfs", "-o", "name")
+    assert code == Exit.OK, err
+    vid = out.strip()
+    staging = served.staging("x3")
+    code, _, err = volume(served, capsys, "stage", vid, staging, "--fs-type", "ext4")
+    assert code == Exit.REFUSED, err
+    assert f"INVALID_ARGUMENT: volume {vid} was created for xfs (CreateVolume's fsType), " \
+        "not ext4: stage it as xfs, or leave fsType empty" in err, err
+    code, out, err = volume(served, capsys, "stage", vid, staging, "-o", "table")
+    assert code == Exit.OK, err
+    assert out.strip() == f"volume {vid} staged at {staging} as xfs"
+    assert served.fake.find(staging).fstype == "xfs"
+
+
 # ---------------------------------------------------------------- item 5: csi-pmem volume
 def test_a_size_of_zero_is_a_usage_error(served, capsys):
     for size in ("0", "0Gi"):

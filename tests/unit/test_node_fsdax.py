@@ -135,7 +135,7 @@ def test_a_file_system_is_made_once_staged_and_bound_into_pods(node):
 
 
 def test_restage_keeps_the_data_and_never_formats_again(node):
-    vid = node.create("keep", params=FSDAX, caps=[fs_cap("ext4")]).volume.volume_id
+    vid = node.create("keep", params=FSDAX, caps=[fs_cap()]).volume.volume_id
     staging = node.staging("keep")
     node.stage(vid, staging, cap=fs_cap("ext4"))
     with open(os.path.join(staging, "kept"), "w") as f:
@@ -151,6 +151,31 @@ def test_restage_keeps_the_data_and_never_formats_again(node):
     # Staged already, with other settings: ALREADY_EXISTS, as for publish.
     assert code_of(node.stage, vid, staging, cap=fs_cap("ext4", flags=["noatime"])) == \
         grpc.StatusCode.ALREADY_EXISTS
+
+
+def test_the_file_system_named_at_create_is_the_one_staged(node):
+    """Issue 45: `volume create --fs-type xfs` then `stage` made ext4. CreateVolume's
+    fsType is recorded; a stage naming none makes it, one naming another is refused
+    before anything is formatted."""
+    vid = node.create("x", params=FSDAX, caps=[fs_cap("xfs")],
+                      size=320 * 1024 * 1024).volume.volume_id
+    assert node.record(vid).fs_type == "xfs"
+    staging = node.staging("x")
+    code, details = details_of(node.stage, vid, staging, cap=fs_cap("ext4"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"volume {vid} was created for xfs (CreateVolume's fsType), not ext4" in details
+    assert [c[0] for c in node.fake.calls].count("make_fs") == 0
+    node.stage(vid, staging, cap=fs_cap())  # names none: the recorded one
+    assert node.fake.fs_signature(device_of(node, vid)) == "xfs"
+    assert node.fake.find(staging).fstype == "xfs"
+    target = node.target("pod")
+    node.publish(vid, target, cap=fs_cap(), staging=staging)
+    assert node.fake.find(target).fstype == "xfs"
+    # The same name with another file system is another volume.
+    assert code_of(node.create, "x", params=FSDAX, caps=[fs_cap("ext4")],
+                   size=320 * 1024 * 1024) == grpc.StatusCode.ALREADY_EXISTS
+    assert code_of(node.create, "y", params=FSDAX, caps=[fs_cap("xfs"), fs_cap("ext4")],
+                   size=320 * 1024 * 1024) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_volume_staged_at_one_path_is_refused_at_another(node):

@@ -44,6 +44,7 @@ _MKFS = {
 _PACKAGE = {"ext4": "e2fsprogs", "xfs": "xfsprogs"}
 # The smallest device each mkfs accepts (xfsprogs 5.19 and later: "Filesystem must be
 # larger than 300MB", which is 300 MiB; ext4 has no minimum that a volume reaches).
+DEFAULT_FS_TYPE = "ext4"  # an fsdax mount that names no file system, here or at create
 MIN_BYTES = {"xfs": 300 * MiB}
 
 

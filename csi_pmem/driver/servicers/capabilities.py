@@ -11,6 +11,7 @@ Block, or a Filesystem access type with ext4 or xfs.
 from __future__ import annotations
 
 from csi_pmem.csi import csi_pb2
+from csi_pmem.driver.host import filesystems
 from csi_pmem.driver.params import DEVDAX, FSDAX
 from csi_pmem.errors import InvalidArgument
 
@@ -25,12 +26,22 @@ BLOCK_ON_DEVDAX = (
     "directory holds volume.json and dax.sock, which hands the pod the open device; or "
     "use a StorageClass with deviceMode: fsdax for a raw block device")
 FSDAX_FS_TYPES = ("ext4", "xfs")
-DEFAULT_FS_TYPE = "ext4"
+DEFAULT_FS_TYPE = filesystems.DEFAULT_FS_TYPE
 
 
 def fs_type(cap: csi_pb2.VolumeCapability) -> str:
     """The file system an fsdax mount capability asks for (ext4 when unset)."""
     return cap.mount.fs_type or DEFAULT_FS_TYPE
+
+
+def named_fs_type(caps: list[csi_pb2.VolumeCapability]) -> str:
+    """The file system CreateVolume's mount capabilities name ("" when none does);
+    two different ones are INVALID_ARGUMENT: one volume holds one file system."""
+    named = sorted({c.mount.fs_type for c in caps if c.HasField("mount") and c.mount.fs_type})
+    if len(named) > 1:
+        raise InvalidArgument(f"volume_capabilities name different file systems "
+                              f"({', '.join(named)}); a volume holds one")
+    return named[0] if named else ""
 
 
 def problem(cap: csi_pb2.VolumeCapability, device_mode: str = DEVDAX) -> str | None:

@@ -11,7 +11,12 @@ from csi_pmem.csi import csi_pb2, csi_pb2_grpc
 from csi_pmem.driver import params as sc_params
 from csi_pmem.driver.core import Driver, is_volume_id
 from csi_pmem.driver.host import filesystems
-from csi_pmem.driver.servicers.capabilities import fs_type, problem, require_valid
+from csi_pmem.driver.servicers.capabilities import (
+    fs_type,
+    named_fs_type,
+    problem,
+    require_valid,
+)
 from csi_pmem.driver.servicers.rpc import require, rpc
 from csi_pmem.driver.state import VolumeRecord
 from csi_pmem.errors import Aborted, InvalidArgument, ResourceExhausted
@@ -24,9 +29,12 @@ MAX_PAGE = 1000
 def describe(rec: VolumeRecord) -> dict[str, str]:
     """The volume_context handed to the CO (and back to NodePublishVolume): the wire
     shape of a volume record, so it lives with the servicers."""
-    return {"deviceMode": rec.params.get("deviceMode", "devdax"),
-            "numaNode": str(rec.numa_node), "align": format_bytes(rec.align),
-            "usableSize": str(rec.usable_size), "device": rec.device, "pool": rec.pool}
+    ctx = {"deviceMode": rec.params.get("deviceMode", "devdax"),
+           "numaNode": str(rec.numa_node), "align": format_bytes(rec.align),
+           "usableSize": str(rec.usable_size), "device": rec.device, "pool": rec.pool}
+    if rec.fs_type:  # fsdax: the file system CreateVolume named, which a stage makes
+        ctx["fsType"] = rec.fs_type
+    return ctx
 
 
 class ControllerServicer(csi_pb2_grpc.ControllerServicer):
@@ -59,7 +67,9 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
                 f"the requested topology does not include this node "
                 f"({self.topology_key}={self.driver.config.node_id}); volumes are node-local")
         rng = request.capacity_range
+        named = ""
         if params.device_mode == sc_params.FSDAX:
+            named = named_fs_type(list(request.volume_capabilities))
             # mkfs runs only at NodeStageVolume; a size its file system refuses is the
             # request's fault, so say it now rather than fail the pod's start.
             asked = rng.required_bytes or rng.limit_bytes
@@ -68,7 +78,8 @@ class ControllerServicer(csi_pb2_grpc.ControllerServicer):
                     fs_type(cap), asked)
                 if why:
                     raise InvalidArgument(f"volume_capabilities: {why}")
-        rec = self.driver.create_volume(request.name, rng.required_bytes, rng.limit_bytes, params)
+        rec = self.driver.create_volume(request.name, rng.required_bytes, rng.limit_bytes,
+                                        params, fs_type=named)
         return csi_pb2.CreateVolumeResponse(volume=self._volume(rec))
 
     @rpc

@@ -14,7 +14,6 @@ from csi_pmem.driver.node import Access, PublishRequest
 from csi_pmem.driver.params import FSDAX
 from csi_pmem.driver.servicers.capabilities import (
     READ_ONLY_MODES,
-    fs_type,
     mode_name,
     require_valid,
 )
@@ -58,7 +57,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         if bad:
             raise InvalidArgument(
                 f"invalid mount flag(s) {bad!r}: give one option per entry, without commas")
-        return Access(kind=MOUNT, fs_type=fs_type(cap), mount_flags=flags)
+        return Access(kind=MOUNT, mount_flags=flags,
+                      fs_type=self.driver.fs_type(volume_id, cap.mount.fs_type))
 
     @rpc
     def NodeStageVolume(self, request, context):
