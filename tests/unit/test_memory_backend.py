@@ -202,6 +202,28 @@ def test_a_restart_keeps_mounts_that_are_as_configured(tmp_path, mounter):
     assert len(mounter.calls) == 1 and again.pools()[0].usable
 
 
+def test_the_start_up_log_names_the_memory_back_end_and_a_kept_pool(tmp_path, mounter,
+                                                                    caplog):
+    """Found in the cluster tier: a memory driver's first line was the emulated back
+    end's, "emulated pools under ... are volatile (--emulated-media volatile)", a flag
+    nobody gave; and a restarted driver said nothing of the pools it found mounted."""
+    caplog.set_level("INFO", logger="csi_pmem.driver.backends")
+    MemoryBackend(tmp_path, {0: 256 * MiB}, mounter)
+    first = [r.getMessage() for r in caplog.records]
+    assert f"memory pools under {tmp_path} are volatile (DRAM: a node restart empties " \
+           "them)" in first, first
+    assert not [m for m in first if "emulated" in m], first
+    assert not [m for m in first if "kept" in m], first
+    caplog.clear()
+    again = MemoryBackend(tmp_path, {0: 256 * MiB}, mounter)
+    kept = [r.getMessage() for r in caplog.records]
+    assert f"memory pool region0: kept the tmpfs mounted at {tmp_path / 'region0'}, with " \
+           "its volumes" in kept, kept
+    caplog.clear()
+    again.pools()  # the listings check the mounts too, and say nothing while kept
+    assert not [r for r in caplog.records if "kept" in r.getMessage()]
+
+
 def test_other_options_are_remounted_and_4k_pages_say_so(tmp_path, mounter):
     MemoryBackend(tmp_path, {0: 256 * MiB}, mounter)
     backend = MemoryBackend(tmp_path, {0: 512 * MiB}, mounter, pages="4k")

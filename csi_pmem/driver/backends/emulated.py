@@ -149,14 +149,17 @@ class EmulatedBackend(Backend):
         self.media_setting = media
         fstype = file_system_of(self.root)
         self.media = media_of(self.root, media)
-        log.info("emulated pools under %s are %s (%s)", self.root, self.media,
-                 f"--emulated-media {media}" if media != AUTO else
-                 f"on {fstype or 'an unknown file system'}")
+        self._log_media(media, fstype)
         for node in self.regions:
             region = self._dir(f"region{node}")
             region.mkdir(parents=True, exist_ok=True)
             for stale in region.glob(f".*{TMP_SUFFIX}"):  # a create cut short by a crash
                 stale.unlink(missing_ok=True)
+
+    def _log_media(self, media: str, fstype: str | None) -> None:
+        log.info("emulated pools under %s are %s (%s)", self.root, self.media,
+                 f"--emulated-media {media}" if media != AUTO else
+                 f"on {fstype or 'an unknown file system'}")
 
     # -- layout -------------------------------------------------------------------
     def _dir(self, pool: str) -> Path:

@@ -99,7 +99,13 @@ class MemoryBackend(EmulatedBackend):
         self._mount_lock = threading.Lock()
         super().__init__(root, regions, loops=mounter, media=VOLATILE)
         for node in self.regions:
-            self._mount(node)
+            self._mount(node, at_start=True)
+
+    def _log_media(self, media: str, fstype: str | None) -> None:
+        # Not the emulated back end's line: no --emulated-media was given, and the
+        # root's own file system says nothing (each pool is a mount of its own).
+        log.info("memory pools under %s are %s (DRAM: a node restart empties them)",
+                 self.root, self.media)
 
     # -- mounts -------------------------------------------------------------------
     def _target(self, node: int) -> str:
@@ -131,11 +137,14 @@ class MemoryBackend(EmulatedBackend):
                      not any(o.startswith("huge=") and o != "huge=never"
                              for o in have.options)))
 
-    def _mount(self, node: int) -> None:
+    def _mount(self, node: int, at_start: bool = False) -> None:
         target = self._target(node)
         with self._mount_lock:
             have = self.mounter.find(target)
             if have is not None and self._as_configured(have, node):
+                if at_start:  # a driver restart or rollout: the volumes are all there
+                    log.info("memory pool region%d: kept the %s mounted at %s, with its "
+                             "volumes", node, self.fs, target)
                 return
             source = f"{SOURCE_PREFIX}region{node}"
             if have is None:
