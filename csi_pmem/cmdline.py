@@ -23,6 +23,7 @@ import re
 import signal
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TextIO, TypeVar
 
@@ -43,6 +44,7 @@ class Exit(enum.IntEnum):
     REFUSED = 4
     UNREACHABLE = 5
     INTERRUPTED = 130
+    TERMINATED = 128 + signal.SIGTERM
     BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
@@ -61,6 +63,7 @@ MEANING = {
                       "reply within --timeout), or from an s3:// source's server after "
                       "its retries (worth a retry)",
     Exit.INTERRUPTED: "interrupted (Ctrl-C)",
+    Exit.TERMINATED: "stopped by SIGTERM (a pod deleted, a timeout); what was done is kept",
     Exit.BROKEN_PIPE: "the reader closed the output early (`| head`); nothing is printed",
 }
 
@@ -280,6 +283,31 @@ shell completion (argcomplete, which the driver and loader extras install):
         eval "$(register-python-argcomplete {prog})"   (in ~/.zshrc)"""
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread where :func:`stop_on_sigterm` asked for it."""
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Within the block, SIGTERM unwinds the main thread like Ctrl-C does
+    (:class:`Terminated`), so that a stage stopped by a deleted pod or a ``timeout``
+    records the chunks it copied before it exits (:attr:`Exit.TERMINATED`), instead of
+    dying between two records. The previous handler is back afterwards (a command run
+    in process, by a test, leaves none behind); off the main thread, nothing changes."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def quiet_interrupt(prog: str, note: str = "") -> Iterator[None]:
     """Ctrl-C ends the command with one line on stderr and :attr:`Exit.INTERRUPTED`.
@@ -294,6 +322,9 @@ def quiet_interrupt(prog: str, note: str = "") -> Iterator[None]:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted{note}", file=sys.stderr)
         raise SystemExit(Exit.INTERRUPTED) from None
+    except Terminated:
+        print(f"{prog}: terminated{note}", file=sys.stderr)
+        raise SystemExit(Exit.TERMINATED) from None
 
 
 @contextlib.contextmanager

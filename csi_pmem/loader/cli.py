@@ -41,6 +41,7 @@ from csi_pmem.cmdline import (
     log_level,
     quiet_broken_pipe,
     quiet_interrupt,
+    stop_on_sigterm,
 )
 from csi_pmem.cmdline import quantity as parse_size
 from csi_pmem.loader import auxfiles, sidecar, sources, staging
@@ -54,7 +55,7 @@ from csi_pmem.weights.volume import DEFAULT_ALIGN, open_volume
 
 EXIT_ERROR, EXIT_MISMATCH = Exit.ERROR, Exit.MISMATCH
 EXIT_CODES = (Exit.OK, Exit.ERROR, Exit.USAGE, Exit.MISMATCH, Exit.UNREACHABLE,
-              Exit.INTERRUPTED, Exit.BROKEN_PIPE)
+              Exit.INTERRUPTED, Exit.TERMINATED, Exit.BROKEN_PIPE)
 OUTPUT_HELP = ("output format, as csi-pmem volume's: table (the default when stdout is a "
                "terminal), json (the default otherwise, so scripts keep working; --json "
                "is the same), yaml (needs PyYAML), or name ({names}, one a line)")
@@ -394,8 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Ctrl-C anywhere, not only in the command: what was copied and verified stays.
-    with quiet_interrupt("csi-pmem-weights", "; run the same command again to resume"):
+    # Ctrl-C or SIGTERM anywhere, not only in the command: what was copied and verified
+    # stays. (The sidecar installs its own SIGTERM handler: it exits 0 at once.)
+    with stop_on_sigterm(), \
+            quiet_interrupt("csi-pmem-weights", "; run the same command again to resume"):
         parser = build_parser()
         enable_completion(parser)
         args = parser.parse_args(attach_negative_values(
