@@ -94,6 +94,29 @@ def _cmdline(pid: int) -> str:
 
 PROVISION = ROOT / "benchmarks" / "bench_provision.py"
 MEMORY = ROOT / "benchmarks" / "bench_memory_pools.py"
+S3_STAGE = ROOT / "benchmarks" / "bench_s3_stage.py"
+
+
+def test_bench_s3_stage_reports_both_methods_and_cleans_up(tmp_path):
+    """bench_s3_stage.py on a tiny model against the tests' S3 server: both methods
+    every round, their bytes equal, a ratio, progress counted, nothing left behind."""
+    import s3server
+
+    binary = s3server.server_binary()  # skips (or, in CI, fails) without the server
+    out = tmp_path / "s3.json"
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.run([sys.executable, str(S3_STAGE), "--size", "8Mi", "--shard",
+                           "4Mi", "--rounds", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "S3_SERVER_BIN": binary})
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    doc = json.loads(out.read_text())
+    assert len(doc["rows"]["stage"]) == len(doc["rows"]["download"]) == 2
+    assert {r["bytes"] for r in doc["rows"]["stage"]} == \
+        {r["bytes"] for r in doc["rows"]["download"]} == {doc["bytes"]}
+    assert doc["ratio_best"] > 0 and doc["progress_events_min"] >= 2
+    assert "stage / download:" in proc.stdout
+    assert set(os.listdir("/dev/shm")) - before == set()
 
 
 def memory_pool_mounts() -> list[str]:

@@ -929,18 +929,20 @@ def check_sidecar_wiring(name: str, spec: dict, claims: dict) -> None:
     mounts = {m["name"]: m for m in main["volumeMounts"]}
     assert mounts[pmem[0]["name"]].get("readOnly") is True, name
     assert str(main["resources"]["limits"]["nvidia.com/gpu"]) == "1", name
+    if args.source.startswith("s3://"):  # read over the network: no source volume
+        return
     source = [m for m in side["volumeMounts"] if args.source.startswith(m["mountPath"])]
     assert source and source[0].get("readOnly") is True, name
 
 
 def test_source_examples_are_the_sidecars_source():
-    """deploy/examples/sources/: a pod spec per kind of source (an image volume today),
+    """deploy/examples/sources/: a pod spec per kind of source (an image volume, S3),
     each on the StorageClass of deploy/examples, restricted, wired as the sidecar
     example is, with the source volume the sidecar reads; none of them in the
     kustomization (their image references are placeholders)."""
     (sc,) = [d for d in example_docs() if d["kind"] == "StorageClass"]
     files = sorted((EXAMPLES / "sources").glob("*.yaml"))
-    assert [f.name for f in files] == ["image-volume.yaml"]
+    assert [f.name for f in files] == ["image-volume.yaml", "s3.yaml"]
     (k,) = [d for d in example_docs() if d["kind"] == "Kustomization"]
     assert not [f for f in k["resources"] if f.startswith("sources/")]
     for path in files:
@@ -956,6 +958,14 @@ def test_source_examples_are_the_sidecars_source():
             check_sidecar_wiring(name, spec, claims)
             (side,) = [c for c in spec["initContainers"] if c.get("restartPolicy") == "Always"]
             args = weights_cli.build_parser().parse_args(side["command"][1:] + side["args"])
+            if path.name == "s3.yaml":
+                # Credentials from a Secret, as the standard variables; none inline.
+                assert args.source.startswith("s3://"), args.source
+                assert [e["secretRef"]["name"] for e in side["envFrom"]] == ["model-store"]
+                inline = {e["name"] for e in side.get("env", [])}
+                assert not inline & {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+                assert "AWS_ENDPOINT_URL_S3" in inline
+                continue
             (mount,) = [m for m in side["volumeMounts"]
                         if args.source.startswith(m["mountPath"].rstrip("/") + "/")]
             source = {v["name"]: v for v in spec["volumes"]}[mount["name"]]
