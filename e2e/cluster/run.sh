@@ -9,9 +9,10 @@
 #                  $E2E_RESULTS/storage-e2e (default build/e2e-cluster/storage-e2e)
 # Env: CSI_PMEM_CACHE (binary and image cache), E2E_ROOT (default /tmp/csi-pmem-e2e),
 #      E2E_RESULTS (default build/e2e-cluster): junit.xml, results.json, timings, logs,
-#      E2E_NODES (default 2): 2 runs test_cluster.py on node A, then test_two_nodes.py
-#      on both, then test_node_crash.py (kills node B; down.sh cleans up after it);
-#      1 brings up node A alone and runs test_cluster.py only.
+#      E2E_NODES (default 2): 2 runs test_cluster.py and test_memory_backend.py on
+#      node A, then test_two_nodes.py on both, then test_node_crash.py (kills node B;
+#      down.sh cleans up after it); 1 brings up node A alone and runs test_cluster.py
+#      and test_memory_backend.py only.
 #      E2E_NRI=1: containerd 2.x with NRI (build.sh containerd nri) and test_nri.py and
 #      test_image_volume.py too.
 set -euo pipefail
@@ -27,14 +28,16 @@ while (($#)); do
     --keep) keep=1 ;;
     --storage-e2e) storage=1 ;;
     --) shift; pytest_args=("$@"); break ;;
-    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
 done
 export E2E_ROOT="${E2E_ROOT:-/tmp/csi-pmem-e2e}"
 export E2E_NODES="${E2E_NODES:-2}"
-tests=("${here}/test_cluster.py")
+# test_memory_backend.py installs a release of its own (backend.type memory) on node A
+# once test_cluster.py's is gone, and uninstalls it before test_two_nodes.py's.
+tests=("${here}/test_cluster.py" "${here}/test_memory_backend.py")
 [[ "${E2E_NODES}" == 1 ]] || tests+=("${here}/test_two_nodes.py")
 results="${E2E_RESULTS:-${repo}/build/e2e-cluster}"
 ((storage)) && results="${E2E_RESULTS:-${repo}/build/e2e-cluster}/storage-e2e"
