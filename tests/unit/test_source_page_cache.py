@@ -1,0 +1,50 @@
+"""A directory source's pages leave the page cache once staged.
+
+Why: the cache a read fills is charged to the reader's memory cgroup; the cluster tier
+saw a 256Mi staging pod pinned at its limit while it staged a 1 GiB model. Measured
+with util-linux's ``fincore`` (pages of the file resident in the cache), on a disk file
+system (tmpfs pages are the file itself and cannot be dropped).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from csi_pmem.loader import load_numpy, open_volume, staging
+
+import loader_models as lm
+
+MiB = lm.MiB
+
+
+def resident(path: Path) -> int:
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES",
+                          str(path)], capture_output=True, text=True, check=True, timeout=30)
+    return int(out.stdout.split()[0])
+
+
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="util-linux fincore missing")
+def test_staging_drops_the_source_pages_it_copied(tmp_path, monkeypatch):
+    if subprocess.run(["findmnt", "-no", "FSTYPE", "--target", str(tmp_path)],
+                      capture_output=True, text=True).stdout.strip() in ("tmpfs", ""):
+        pytest.skip("needs a disk file system under tmp_path")
+    src = tmp_path / "src"
+    lm.large_model(src, 32 * MiB)
+    shard = src / "model.safetensors"
+    os.sync()  # clean pages, as a finished download's are (dirty ones cannot be dropped)
+    ref = lm.reference(src)
+    with open(shard, "rb") as f:
+        while f.read(8 * MiB):  # the whole file in the cache, as a fresh download is
+            pass
+    assert resident(shard) >= 16 * MiB
+    with lm.shm_scratch(tmp_path, "csi-pmem-cache") as shm:
+        vol = lm.volume_file(shm / "vol", 64 * MiB)
+        with open_volume(vol, writable=True) as v:
+            staging.stage(v, str(src), name="m")
+        assert resident(shard) <= 1 * MiB  # the header the scan read, at most
+        lm.assert_same(load_numpy(str(vol)), ref)
