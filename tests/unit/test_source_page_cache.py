@@ -1,4 +1,5 @@
-"""A directory source's pages leave the page cache once staged.
+"""A directory source: its pages leave the page cache once staged, and a dangling
+link in it is named with its target.
 
 Why: the cache a read fills is charged to the reader's memory cgroup; the cluster tier
 saw a 256Mi staging pod pinned at its limit while it staged a 1 GiB model. Measured
@@ -48,3 +49,16 @@ def test_staging_drops_the_source_pages_it_copied(tmp_path, monkeypatch):
             staging.stage(v, str(src), name="m")
         assert resident(shard) <= 1 * MiB  # the header the scan read, at most
         lm.assert_same(load_numpy(str(vol)), ref)
+
+
+def test_a_dangling_link_in_a_source_names_where_it_points(tmp_path):
+    src = tmp_path / "src"
+    lm.large_model(src, 1 * MiB)
+    (src / "model-2.safetensors").symlink_to("/blobs/sha256-gone")
+    vol = lm.volume_file(tmp_path / "vol", 16 * MiB)
+    with open_volume(vol, writable=True) as v, pytest.raises(staging.SourceError) as info:
+        staging.stage(v, str(src), name="m")
+    assert str(info.value) == (
+        f"{src}/model-2.safetensors is a symbolic link to /blobs/sha256-gone, which does "
+        "not exist (in an image or a copied snapshot, links must be relative and point "
+        "inside it)")

@@ -35,7 +35,15 @@ def scan(src_dir: str) -> list[SourceFile]:
             if fname.startswith("."):
                 continue
             path = os.path.join(root, fname)
-            st = os.stat(path)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                if os.path.islink(path):  # a snapshot's link into a blob store
+                    raise SourceError(
+                        f"{path} is a symbolic link to {os.readlink(path)}, which does not "
+                        "exist (in an image or a copied snapshot, links must be relative "
+                        "and point inside it)") from None
+                raise
             if not os.path.isfile(path):
                 continue
             name = os.path.relpath(path, src_dir).replace(os.sep, "/")
