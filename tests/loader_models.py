@@ -280,3 +280,19 @@ def staging_interrupted_at(monkeypatch, prefix: str) -> Iterator[None]:
         yield
     finally:
         monkeypatch.setattr(staging, "_copy_chunk", real)
+
+
+def small_chunk_cli(chunk: int) -> str:
+    """The code of a ``python -c`` child that is ``csi-pmem-weights`` with its stages
+    planned in ``chunk``-byte checksum chunks: several per file of a tiny model, so
+    that a test can stop a real stage between two chunks."""
+    return f"""import sys
+from csi_pmem.loader import cli, staging
+real = staging.allocate
+def allocate(*args, **kw):
+    model = real(*args, **kw)
+    model.chunk_size = {chunk}
+    return model
+staging.allocate = allocate
+sys.exit(cli.main(sys.argv[1:]))
+"""

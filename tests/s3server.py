@@ -23,16 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tools
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL = REPO / "scripts" / "install-s3-server.sh"
-
-
-def _missing(message: str) -> None:
-    if os.environ.get("S3_SERVER_REQUIRED", "") not in ("", "0"):
-        pytest.fail(message + "\n(S3_SERVER_REQUIRED is set, so this is a failure)",
-                    pytrace=False)
-    pytest.skip(message)
 
 
 def server_binary() -> str:
@@ -46,7 +40,7 @@ def server_binary() -> str:
         out = subprocess.run(["bash", str(INSTALL)], capture_output=True, text=True,
                              timeout=900, check=True)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-        _missing(f"no S3 server: {INSTALL.name} failed: "
+        tools.unavailable("S3_SERVER_REQUIRED", f"no S3 server: {INSTALL.name} failed: "
                  f"{getattr(exc, 'stderr', '') or exc}")
     return out.stdout.strip().splitlines()[-1]
 

@@ -104,7 +104,10 @@ def test_bench_s3_stage_reports_both_methods_and_cleans_up(tmp_path):
 
     binary = s3server.server_binary()  # skips (or, in CI, fails) without the server
     out = tmp_path / "s3.json"
-    before = set(os.listdir("/dev/shm"))
+    def ours() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("csi-pmem-bench-s3-")}
+
+    before = ours()
     proc = subprocess.run([sys.executable, str(S3_STAGE), "--size", "8Mi", "--shard",
                            "4Mi", "--rounds", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -116,7 +119,7 @@ def test_bench_s3_stage_reports_both_methods_and_cleans_up(tmp_path):
         {r["bytes"] for r in doc["rows"]["download"]} == {doc["bytes"]}
     assert doc["ratio_best"] > 0 and doc["progress_events_min"] >= 2
     assert "stage / download:" in proc.stdout
-    assert set(os.listdir("/dev/shm")) - before == set()
+    assert ours() - before == set()
 
 
 def memory_pool_mounts() -> list[str]:

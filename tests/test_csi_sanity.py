@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import tools
 
 REPO = Path(__file__).resolve().parent.parent
 SANITY_DIR = Path(__file__).resolve().parent / "sanity"
@@ -163,10 +164,7 @@ def driver_env() -> dict[str, str]:
 
 def _unavailable(message: str) -> None:
     """Skip, unless CI demands the suite (CSI_SANITY_REQUIRED=1): then fail loudly."""
-    if os.environ.get("CSI_SANITY_REQUIRED", "") not in ("", "0"):
-        pytest.fail(message + "\n(CSI_SANITY_REQUIRED is set, so this is a failure)",
-                    pytrace=False)
-    pytest.skip(message)
+    tools.unavailable("CSI_SANITY_REQUIRED", message)
 
 
 def csi_sanity_binary() -> str:

@@ -38,16 +38,7 @@ MiB = lm.MiB
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 4096
 # csi-pmem-weights, its stages planned in CHUNK-byte checksum chunks (several per file).
-CHILD = """import sys
-from csi_pmem.loader import cli, staging
-real = staging.allocate
-def allocate(*args, **kw):
-    model = real(*args, **kw)
-    model.chunk_size = CHUNK
-    return model
-staging.allocate = allocate
-sys.exit(cli.main(sys.argv[1:]))
-""".replace("CHUNK", str(CHUNK))
+CHILD = lm.small_chunk_cli(CHUNK)
 
 
 @pytest.fixture(scope="module")

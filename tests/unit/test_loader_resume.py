@@ -33,16 +33,7 @@ MiB = lm.MiB
 CHUNK = 4096
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 # csi-pmem-weights itself, its stages planned with CHUNK-byte checksum chunks.
-CHILD = """import sys
-from csi_pmem.loader import cli, staging
-real = staging.allocate
-def allocate(*args, **kw):
-    model = real(*args, **kw)
-    model.chunk_size = CHUNK
-    return model
-staging.allocate = allocate
-sys.exit(cli.main(sys.argv[1:]))
-""".replace("CHUNK", str(CHUNK))
+CHILD = lm.small_chunk_cli(CHUNK)
 
 
 @pytest.fixture
