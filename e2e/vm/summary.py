@@ -129,6 +129,12 @@ def dax_lines(facts: dict) -> list[str]:
             lines.append(f"  {op} 64Mi median of 5: daxctl on soft-reserved memory "
                          f"{dax:.3f} s, ndctl on NVDIMM {nd:.3f} s, ratio daxctl/ndctl "
                          f"{dax / nd:.2f} (same boot, TCG)")
+    for r in facts.get("capacity_during_start_scrub") or []:
+        lines.append(f"  GetCapacity around a create at start #{r['start']} (fail points "
+                     f"{r['failpoints']}; start-up scrub running at the first reading: "
+                     f"{r['scrub_running_at_first']}): {r['first'] >> 20} MiB, then "
+                     f"{r['second'] >> 20} MiB; region free with the volume "
+                     f"{r['region_free_with_volume'] >> 20} MiB")
     core = facts.get("core_workflow")
     if core:
         lines.append(f"  core workflow on {core['device']} (NUMA {core['numa_node']}): a new "
