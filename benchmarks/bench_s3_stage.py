@@ -18,10 +18,13 @@ fresh process for each method:
 - ``download``: boto3 ``download_file`` of every object into /dev/shm, one object
   after another, ``max_concurrency`` 16 and 64 MiB parts (the same requests in flight).
 Prints the best and median GB/s of each, and the ratio of the bests and of the medians;
-``--json`` writes them. Everything it creates is removed at the end.
+``--json`` writes them. With ``--sidecar``, one more stage by the staging sidecar
+(``csi-pmem-weights sidecar``, serving ``/status``) into a fresh volume, its ``/status``
+polled every 50 ms: how often its ``bytes_done`` moved, and its progress log events.
+Everything it creates is removed at the end.
 
 Usage: benchmarks/bench_s3_stage.py [--size 2Gi] [--shard 512Mi] [--rounds 3]
-                                    [--json out.json]
+                                    [--sidecar] [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,11 +114,53 @@ def child(code: str, *args: str, env: dict[str, str]) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def sidecar_run(url: str, vol: Path, size: int, env: dict[str, str]) -> dict:
+    """The sidecar stages ``url`` into a fresh ``vol``; /status polled until ready."""
+    import s3server
+
+    with open(vol, "wb") as f:
+        f.truncate(size)
+    port = s3server._free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "csi_pmem.loader.cli", "sidecar",
+                             "--volume", str(vol), "--source", url, "--name", "m",
+                             "--listen", f"127.0.0.1:{port}"], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen: list[int] = []
+    status: dict = {}
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 1800 and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/status",
+                                            timeout=2) as r:
+                    status = json.loads(r.read())
+                seen.append(int(status.get("bytes_done") or 0))
+                if status.get("ready"):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        seconds = time.monotonic() - t0
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    if not status.get("ready"):
+        raise SystemExit(f"the sidecar did not get ready: {status} {err[-2000:]}")
+    return {"seconds_to_ready": round(seconds, 2), "status_polls": len(seen),
+            "bytes_done_moves": len({v for v in seen if v}),
+            "progress_log_events": sum(1 for e in events if "progress" in
+                                       (e.get("msg"), e.get("message"))),
+            "action": status.get("action"), "bytes_copied": status.get("bytes_copied")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=size, default=2 << 30)
     ap.add_argument("--shard", type=size, default=512 << 20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sidecar", action="store_true",
+                    help="also stage once with the sidecar, counting its /status moves")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -144,6 +190,11 @@ def main() -> int:
                 shutil.rmtree(dest)
                 print(f"round {r + 1}: stage {rows['stage'][-1]['seconds']:.2f} s, "
                       f"download {rows['download'][-1]['seconds']:.2f} s", flush=True)
+            side = None
+            if args.sidecar:
+                side = sidecar_run("s3://models/bench/m/", shm / "vol-sidecar",
+                                   (nbytes >> 21) + 64 << 21, env)
+                (shm / "vol-sidecar").unlink()
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
@@ -164,6 +215,12 @@ def main() -> int:
         print(f"{label:<48} {max(rs):>10.2f} {statistics.median(rs):>8.2f}")
     out["ratio_best"] = out["stage_best_gbps"] / out["download_best_gbps"]
     out["ratio_median"] = out["stage_median_gbps"] / out["download_median_gbps"]
+    if side is not None:
+        out["sidecar"] = side
+        print(f"sidecar: ready in {side['seconds_to_ready']:.2f} s ({side['action']}); "
+              f"/status bytes_done moved {side['bytes_done_moves']} times in "
+              f"{side['status_polls']} polls; {side['progress_log_events']} progress "
+              "log events")
     events = [row["distinct"] for row in rows["stage"]]
     out["progress_events_min"] = min(events)
     print(f"stage / download: {out['ratio_best']:.2f} (bests), "

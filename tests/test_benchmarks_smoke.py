@@ -109,7 +109,7 @@ def test_bench_s3_stage_reports_both_methods_and_cleans_up(tmp_path):
 
     before = ours()
     proc = subprocess.run([sys.executable, str(S3_STAGE), "--size", "8Mi", "--shard",
-                           "4Mi", "--rounds", "2", "--json", str(out)],
+                           "4Mi", "--rounds", "2", "--sidecar", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "S3_SERVER_BIN": binary})
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
@@ -119,6 +119,8 @@ def test_bench_s3_stage_reports_both_methods_and_cleans_up(tmp_path):
         {r["bytes"] for r in doc["rows"]["download"]} == {doc["bytes"]}
     assert doc["ratio_best"] > 0 and doc["progress_events_min"] >= 2
     assert "stage / download:" in proc.stdout
+    side = doc["sidecar"]
+    assert side["action"] == "staged" and side["bytes_copied"] == doc["bytes"]
     assert ours() - before == set()
 
 
