@@ -133,8 +133,10 @@ def dax_lines(facts: dict) -> list[str]:
         lines.append(f"  GetCapacity around a create at start #{r['start']} (fail points "
                      f"{r['failpoints']}; start-up scrub running at the first reading: "
                      f"{r['scrub_running_at_first']}): {r['first'] >> 20} MiB, then "
-                     f"{r['second'] >> 20} MiB; region free with the volume "
-                     f"{r['region_free_with_volume'] >> 20} MiB")
+                     f"{r['second'] >> 20} MiB"
+                     + (f", {r['polled_until_idle']} more until idle, at most "
+                        f"{r['polled_max'] >> 20} MiB" if r.get("polled_max") else "")
+                     + f"; region free with the volume {r['region_free_with_volume'] >> 20} MiB")
     core = facts.get("core_workflow")
     if core:
         lines.append(f"  core workflow on {core['device']} (NUMA {core['numa_node']}): a new "
