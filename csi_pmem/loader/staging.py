@@ -202,11 +202,11 @@ class _Copier:
     def run(self, files: list[FileEntry]) -> None:
         """Copy the chunks of ``files`` not in their ``partial`` (verified by the
         caller) and record each file done."""
-        for f in files:
-            self.readers[f.name] = open_file(self.sources[f.name])
         finished: queue.SimpleQueue[Future[str]] = queue.SimpleQueue()
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="stage")
         try:
+            for f in files:  # in the try: a file that cannot be opened closes the others
+                self.readers[f.name] = open_file(self.sources[f.name])
             try:
                 for f in files:
                     ranges = chunk_ranges(f.length, self.model.chunk_size)

@@ -62,3 +62,28 @@ def test_a_dangling_link_in_a_source_names_where_it_points(tmp_path):
         f"{src}/model-2.safetensors is a symbolic link to /blobs/sha256-gone, which does "
         "not exist (in an image or a copied snapshot, links must be relative and point "
         "inside it)")
+
+
+def test_a_source_file_that_cannot_be_opened_closes_the_others(tmp_path, monkeypatch):
+    """The copy opens a reader per file first; when one open fails (the file vanished
+    between the scan and the copy), the readers already open are closed."""
+    src = tmp_path / "src"
+    lm.sharded_model(src, shards=3, per_shard=2)
+    real = staging.open_file
+    opened: list = []
+
+    def open_file(f):
+        if f.name.startswith("model-00002"):
+            raise FileNotFoundError(f"{f.path} vanished")
+        reader = real(f)
+        opened.append(reader)
+        return reader
+
+    monkeypatch.setattr(staging, "open_file", open_file)
+    vol = lm.volume_file(tmp_path / "vol", 16 * MiB)
+    with open_volume(vol, writable=True) as v, pytest.raises(FileNotFoundError):
+        staging.stage(v, str(src), name="m")
+    assert opened
+    for reader in opened:
+        with pytest.raises(OSError):
+            os.fstat(reader.fd)  # closed
