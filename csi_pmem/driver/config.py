@@ -55,7 +55,7 @@ DEFAULTS = {
     "daxctl": "daxctl",
     "cxl": "cxl",
     "dax_setup": "off",
-    "memory_pools": "0=50%,1=50%",
+    "memory_pools": "*=50%",
     "memory_root": "",
     "memory_fs": "tmpfs",
     "memory_pages": "2M",
@@ -114,7 +114,8 @@ HELP = {
                  "device (daxN.0) back to device-dax, offlining its memory, and shrinks "
                  "it so the region can be carved",
     "memory_pools": "memory back end: a pool per NUMA node as NUMA=SIZE or NUMA=PERCENT% "
-                    "of that node's MemTotal, e.g. 0=50%,1=50% or 0=64Gi,1=64Gi "
+                    "of that node's MemTotal (NUMA * for every node the host has), e.g. "
+                    "*=50%, 0=50%,1=50% or 0=64Gi,1=64Gi "
                     "(rounded down to 16Mi); a node the host lacks, or a pool bigger than "
                     "its node, stops the driver at start",
     "memory_root": "memory back end: the directory under which each pool's file system "
@@ -166,7 +167,7 @@ class ServeConfig:
     daxctl: str = "daxctl"
     cxl: str = "cxl"
     dax_setup: str = "off"
-    memory_pools: str = "0=50%,1=50%"
+    memory_pools: str = "*=50%"
     memory_root: str = ""
     memory_fs: str = "tmpfs"
     memory_pages: str = "2M"

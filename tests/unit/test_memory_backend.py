@@ -91,8 +91,9 @@ def write_nodes(root: Path, mem_kib: dict[int, int]) -> str:
 def test_parse_pools_takes_sizes_and_shares():
     assert parse_pools("0=50%, 1=64Gi") == {0: Fraction(1, 2), 1: 64 * GiB}
     assert parse_pools("0=12.5%") == {0: Fraction(1, 8)}
+    assert parse_pools("*=50%,1=64Gi") == {-1: Fraction(1, 2), 1: 64 * GiB}
     for bad in ("", "0", "x=1Gi", "0=1Gi,0=2Gi", "0=1Mi", "0=0%", "0=101%", "0=-5%",
-                "0=50 %", "0=lots"):
+                "0=50 %", "0=lots", "*=1Gi,*=2Gi", "**=1Gi", "-1=1Gi"):
         with pytest.raises(InvalidArgument):
             parse_pools(bad)
 
@@ -107,6 +108,16 @@ def test_fit_pools_rounds_shares_of_each_node_down_to_16mi():
     assert fit_pools(parse_pools("0=50%,1=25%"), memory) == {0: 496 * MiB, 1: 512 * MiB}
     assert fit_pools(parse_pools("1=100%"), memory) == {1: 2 * GiB}
     assert fit_pools(parse_pools("0=100Mi"), memory) == {0: 96 * MiB}
+
+
+def test_every_node_is_each_numa_node_the_host_has():
+    """The default, *=50%: one configuration for one-socket and two-socket nodes."""
+    assert fit_pools(parse_pools("*=50%"), {0: 2 * GiB}) == {0: GiB}
+    assert fit_pools(parse_pools("*=50%"), {0: 2 * GiB, 1: 4 * GiB}) == {0: GiB, 1: 2 * GiB}
+    assert fit_pools(parse_pools("*=25%,1=3Gi"), {0: 4 * GiB, 1: 4 * GiB}) == \
+        {0: GiB, 1: 3 * GiB}  # a node named has its own size
+    with pytest.raises(InvalidArgument, match="this host lists none under"):
+        fit_pools(parse_pools("*=50%"), {})
 
 
 @pytest.mark.parametrize(("spec", "line"), [
@@ -165,10 +176,12 @@ def test_serve_refuses_a_page_size_the_pools_file_system_lacks(tmp_path, no_star
 
 
 def test_other_back_ends_never_check_the_memory_pools(tmp_path, no_start, monkeypatch):
-    """The default 0=50%,1=50% on a one-node laptop must not stop the emulated driver."""
+    """A pool on a node the host lacks (1=50% on a one-node laptop) must not stop the
+    emulated driver: only --backend memory fits its pools."""
     monkeypatch.setattr(memory_sizing, "SYSFS_NODES", write_nodes(tmp_path, {0: 1_048_576}))
     with pytest.raises(AssertionError, match="the driver started"):
-        cli.main(["serve", "--backend", "emulated", "--state-dir", str(tmp_path / "s")])
+        cli.main(["serve", "--backend", "emulated", "--memory-pools", "0=50%,1=50%",
+                  "--state-dir", str(tmp_path / "s")])
 
 
 # -- mounts -------------------------------------------------------------------------

@@ -2,14 +2,15 @@
 
 Why its own module: a pool of DRAM is carved from the very memory the node runs on, so
 a typo (``0=20Gi`` for ``0=2Gi``) or a configuration copied to a smaller node can take
-a node's RAM. The operator states pools as a share of each NUMA node (``0=50%,1=50%``)
-or as a size (``0=64Gi``); the driver reads each node's ``MemTotal`` from
-``/sys/devices/system/node/node<N>/meminfo`` and refuses at start, in one line naming
-the node, what it has and what was asked, a pool on a node that does not exist or one
-bigger than its node. Parsing (the grammar, checked with the other flags) and fitting
-(against this node's memory, only when ``--backend memory`` is chosen) are two steps,
-so a bad value is a usage error whatever the node, and a good one is checked against
-the node that runs it.
+a node's RAM. The operator states pools as a share of each NUMA node (``0=50%,1=50%``,
+or ``*=50%`` for every node the host has: the default, so that one configuration fits
+one-socket and two-socket nodes alike) or as a size (``0=64Gi``); the driver reads
+each node's ``MemTotal`` from ``/sys/devices/system/node/node<N>/meminfo`` and refuses
+at start, in one line naming the node, what it has and what was asked, a pool on a
+node that does not exist or one bigger than its node. Parsing (the grammar, checked
+with the other flags) and fitting (against this node's memory, only when ``--backend
+memory`` is chosen) are two steps, so a bad value is a usage error whatever the node,
+and a good one is checked against the node that runs it.
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ _SHARE = re.compile(r"^(\d+(?:\.\d+)?)%$")
 
 # A pool's requested size: bytes (int) or a share of its node's MemTotal (Fraction).
 Request = int | Fraction
+# The key of ``*=SIZE``: every NUMA node the host has that no entry names itself.
+EVERY_NODE = -1
 
 
 def parse_pools(spec: str) -> dict[int, Request]:
-    """``"0=50%,1=64Gi"`` into {NUMA node: bytes or share}; the grammar only."""
+    """``"0=50%,1=64Gi"`` into {NUMA node: bytes or share}; ``*`` (every node no other
+    entry names) is :data:`EVERY_NODE`. The grammar only."""
     pools: dict[int, Request] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         node, sep, size = (part.strip() for part in item.partition("="))
-        if not sep or not node.isdecimal():
+        if not sep or not (node.isdecimal() or node == "*"):
             raise InvalidArgument(f"invalid memory pool {item!r}: use NUMA=SIZE or "
-                                  "NUMA=PERCENT%, for example 0=50%,1=50%")
-        n = int(node)
+                                  "NUMA=PERCENT% (NUMA a node number, or * for every "
+                                  "node), for example *=50% or 0=50%,1=64Gi")
+        n = EVERY_NODE if node == "*" else int(node)
         if n in pools:
-            raise InvalidArgument(f"memory pool for NUMA node {n} given twice")
+            raise InvalidArgument(f"memory pool for NUMA node {node} given twice")
         share = _SHARE.fullmatch(size)
         if share:
             value = Fraction(share.group(1)) / 100
@@ -53,7 +58,7 @@ def parse_pools(spec: str) -> dict[int, Request]:
                 raise InvalidArgument(f"memory pool {item!r} is smaller than 16Mi")
             pools[n] = nbytes
     if not pools:
-        raise InvalidArgument("no memory pools configured (for example 0=50%,1=50%)")
+        raise InvalidArgument("no memory pools configured (for example *=50%)")
     return pools
 
 
@@ -76,7 +81,16 @@ def describe_request(request: Request) -> str:
 
 def fit_pools(pools: dict[int, Request], memory: dict[int, int]) -> dict[int, int]:
     """{NUMA node: pool bytes, rounded down to 16 MiB}, or :class:`InvalidArgument` in
-    one line for the first pool this node cannot hold."""
+    one line for the first pool this node cannot hold. ``*`` gives its request to every
+    NUMA node of ``memory`` that no entry names."""
+    pools = dict(pools)
+    every = pools.pop(EVERY_NODE, None)
+    if every is not None:
+        pools.update({n: every for n in memory if n not in pools})
+        if not pools:
+            raise InvalidArgument(f"memory pools of {describe_request(every)} on every NUMA "
+                                  f"node were asked, and this host lists none under "
+                                  f"{SYSFS_NODES}")
     sized: dict[int, int] = {}
     for node, request in sorted(pools.items()):
         asked = describe_request(request)
