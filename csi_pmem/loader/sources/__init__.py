@@ -75,10 +75,11 @@ def default_name(location: str) -> str:
 
 
 def default_threads(location: str, cores: int) -> int:
-    """Copy threads: one per core for files (the copy is a memory copy), more for an
-    object store (each thread mostly waits for the network)."""
+    """Copy threads: one per core for files (the copy is a memory copy), a fixed 16 for
+    an object store (each thread mostly waits for the network; more GETs in flight than
+    that gain little from one client, whatever the node's core count)."""
     if is_s3(location):
         from csi_pmem.loader.sources import s3
 
-        return max(cores, s3.THREADS)
+        return s3.THREADS
     return cores

@@ -39,6 +39,9 @@ SCHEME = "s3://"
 PIECE = MiB  # one read from the HTTP response into the mapping (urllib3 copies each)
 DEFAULT_ATTEMPTS = 5  # botocore's standard retry mode: total attempts per request
 THREADS = 16  # ranged GETs in flight: the network, not the CPU, is the limit
+# Connections the client keeps: enough for --threads up to this many without urllib3
+# discarding (and reopening) connections; more threads only wait for one.
+MAX_CONNECTIONS = 64
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,7 @@ def _make_client(url: str | None, tries: int) -> Any:
         if quiet.getEffectiveLevel() < logging.INFO:
             quiet.setLevel(logging.INFO)  # DEBUG prints request headers
     config = Config(retries={"max_attempts": tries, "mode": "standard"},
-                    max_pool_connections=max(THREADS, 10), connect_timeout=10,
+                    max_pool_connections=MAX_CONNECTIONS, connect_timeout=10,
                     read_timeout=60, user_agent_extra="csi-pmem",
                     # a store on premises rarely has a DNS name per bucket
                     s3={"addressing_style": "path"} if url else {})
