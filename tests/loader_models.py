@@ -296,3 +296,18 @@ def allocate(*args, **kw):
 staging.allocate = allocate
 sys.exit(cli.main(sys.argv[1:]))
 """
+
+
+def plan_small_chunks(monkeypatch, chunk: int) -> None:
+    """In this process, stages are planned in ``chunk``-byte checksum chunks (what
+    :func:`small_chunk_cli` does for a child)."""
+    from csi_pmem.loader import staging
+
+    real = staging.allocate
+
+    def allocate(*args, **kw):
+        model = real(*args, **kw)
+        model.chunk_size = chunk
+        return model
+
+    monkeypatch.setattr(staging, "allocate", allocate)

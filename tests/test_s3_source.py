@@ -311,14 +311,7 @@ def test_an_object_replaced_mid_stage_fails_the_stage_and_commits_nothing(
 def test_progress_moves_with_the_chunks_of_an_s3_stage(server, model, shm, in_process,
                                                        monkeypatch):
     url, src = model
-    real = staging.allocate
-
-    def allocate(*args, **kw):
-        m = real(*args, **kw)
-        m.chunk_size = CHUNK
-        return m
-
-    monkeypatch.setattr(staging, "allocate", allocate)
+    lm.plan_small_chunks(monkeypatch, CHUNK)
     seen: list[int] = []
     vol = lm.volume_file(shm / "vol", 16 * MiB)
     with open_volume(vol, writable=True) as v:

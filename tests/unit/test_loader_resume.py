@@ -44,14 +44,7 @@ def shm(tmp_path):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    real = staging.allocate
-
-    def allocate(*args, **kw):
-        model = real(*args, **kw)
-        model.chunk_size = CHUNK
-        return model
-
-    monkeypatch.setattr(staging, "allocate", allocate)
+    lm.plan_small_chunks(monkeypatch, CHUNK)
 
 
 def make_model(d: Path) -> Path:
