@@ -217,7 +217,7 @@ def bad_inputs(volume: str, work: Path) -> list[str]:
     no_weights.mkdir(exist_ok=True)
     (no_weights / "config.json").write_text("{}")
     for args, expect in (
-        (("stage", work / "no-such-model", volume, "--name", "x"), "is not a directory"),
+        (("stage", work / "no-such-model", volume, "--name", "x"), "does not exist"),
         (("export", volume, work / "x-out", "--model", "no-such-model"), "no-such-model"),
         (("verify", volume, "--model", "no-such-model"), "no-such-model"),
         (("stage", no_weights, volume, "--name", "x"), "no *.safetensors"),
