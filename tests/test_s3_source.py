@@ -334,3 +334,20 @@ def test_a_malformed_s3_url_is_a_usage_error(url, tmp_path):
         assert p.returncode == 2, p.stderr
         assert "is not an S3 location; write s3://BUCKET/PREFIX/" in p.stderr
     assert not (tmp_path / "vol").exists()
+
+
+def test_the_sidecar_lists_the_prefix_once_per_pass(server, model, shm, in_process,
+                                                    monkeypatch):
+    """The sidecar scans the source to plan, and staging reuses that scan: one listing
+    (and one read of each safetensors header) per pass, not two."""
+    from csi_pmem.loader.sidecar.process import Config, Sidecar
+
+    url, src = model
+    calls: list[str] = []
+    real = s3source.scan
+    monkeypatch.setattr(s3source, "scan", lambda u: calls.append(u) or real(u))
+    vol = lm.volume_file(shm / "vol", 16 * MiB)
+    outcome = Sidecar(Config(volume=str(vol), source=url, name="m", listen=None,
+                             once=True)).reconcile()
+    assert outcome.action == "staged" and calls == [url]
+    assert_bit_exact(vol, src)

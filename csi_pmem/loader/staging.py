@@ -458,9 +458,12 @@ def _reusable(volume: Volume, model: ModelEntry, sources: dict[str, SourceFile],
 
 def stage(volume: Volume, src: str, *, name: str | None = None,
           revision: str | None = "", fingerprint: str = "sample", replace: bool = False,
-          threads: int | None = None, progress: Progress | None = None) -> StageResult:
+          threads: int | None = None, progress: Progress | None = None,
+          scanned: list[SourceFile] | None = None) -> StageResult:
     """Copy the model at ``src`` (a directory or ``s3://bucket/prefix/``) into the volume
     as model ``name`` (default: the directory's name, or the prefix's last component).
+    ``scanned``: what :func:`scan_source` gave for ``src`` moments ago (the sidecar
+    scans before it plans), so that it is not listed and its headers read again.
 
     ``revision=None`` records the source's fingerprint in mode ``fingerprint`` (what the
     staging sidecar records without ``--revision``), and adopts a model of that name
@@ -474,7 +477,7 @@ def stage(volume: Volume, src: str, *, name: str | None = None,
     started = time.monotonic()
     name = name or default_name(src)
     threads = threads or default_threads(src, checksum.default_threads())
-    sources = scan_source(src)
+    sources = scanned if scanned is not None else scan_source(src)
     fingerprinted = revision is None
     if revision is None:
         revision = source_fingerprint(sources, fingerprint, threads)

@@ -169,7 +169,7 @@ def ensure_model(volume: Volume, source: str, sources: list[SourceFile], name: s
     phase("staging")
     t = time.monotonic()
     result = stage(volume, source, name=name, revision=revision, threads=threads,
-                   progress=progress)
+                   progress=progress, scanned=sources)
     seconds["stage"] = time.monotonic() - t
     phase("verifying")
     bad, hashed = _timed_verify(volume, result.model, "full", threads, seconds)
