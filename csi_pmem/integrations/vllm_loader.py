@@ -11,11 +11,17 @@ loader only hands it ``(name, tensor)`` pairs, in volume order. Which tensors:
   the volume has ``gpu.sock``, else the in-pod pinned bounce), so vLLM's copies into
   its parameters are device-to-device and the load holds at most ``gpu_budget`` bytes
   of device memory beyond them (docs/inference.md has the measured speeds).
-- Otherwise (the CPU, or several tensor-parallel ranks): zero-copy views of the volume
-  on the CPU, from :func:`~csi_pmem.loader.start_load` (copy-on-write where the volume
-  allows it, read-only on devdax: vLLM only copies from them); each rank's weight
-  loaders copy only their slice into their parameters. A CUDA stream of whole tensors
-  would make every rank read the whole model over its host link.
+- One of several tensor-parallel ranks on GPUs: views of the volume that each rank's
+  weight loaders narrow to their slice as usual, and whose ``copy_`` into the rank's
+  parameter goes through pinned buffers (:mod:`csi_pmem.loader.gpu.slices`), so a rank
+  reads only its own bytes, near the speed of the link, with no device memory beyond
+  the parameters. A CUDA stream of whole tensors would make every rank read the whole
+  model over its host link. Each rank checks a share of the staged chunks
+  (``index % size == rank``), so the engine checks every chunk once and no rank hashes
+  the whole model.
+- Otherwise (vLLM's CPU build): zero-copy views of the volume on the CPU, from
+  :func:`~csi_pmem.loader.start_load` (copy-on-write where the volume allows it,
+  read-only on devdax: vLLM only copies from them).
 
 The staged checksums are checked beside the copy and a mismatch fails the start before
 anything is served. The log line says which path the load took.
@@ -38,15 +44,17 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from csi_pmem.integrations.vllm_settings import LOAD_FORMAT, Settings, settings
-from csi_pmem.loader.api import CPU_VIEW, LoadHandle, start_load
+from csi_pmem.loader.api import CPU_VIEW, LoadHandle, start_load, verify_share
 from csi_pmem.loader.auxfiles import read_aux
 from csi_pmem.loader.batches import BatchedLoad
+from csi_pmem.loader.gpu import slices
 from csi_pmem.loader.model import ModelView, open_model
 from csi_pmem.sizes import human_size
 from csi_pmem.weights.errors import LoaderError
@@ -79,11 +87,20 @@ class CsiPmemModelLoader(BaseModelLoader):
         s, view = self._open(model_config)
         started = time.monotonic()
         device = _device(model)
+        ranked = _rank_slices(model) if device is None else None
         checks: Any = None
         try:
             _check_config(view, getattr(model_config, "hf_config_path", None)
                           or model_config.model)
-            if device is not None:
+            if ranked is not None:
+                copier, share = _rank_load(model, view, s, *ranked)
+                checks = share
+                loaded = copier.loaded
+                if share is not None:
+                    share.result()  # ChecksumError: this rank's chunks are damaged
+                count, nbytes, path = copier.copies, copier.copied, slices.PATH
+                where = copier.describe()
+            elif device is not None:
                 batched = BatchedLoad(view, str(device), budget=s.gpu_budget,
                                       verify=s.verify)
                 checks = batched
@@ -128,16 +145,53 @@ def _device(model: torch.nn.Module) -> torch.device | None:
     except AssertionError:  # no parallel state: a model built outside an engine
         tp = 1
     if tp > 1:
-        log.info("tensor-parallel size %d: each rank copies its slices from CPU views",
-                 tp)
-        return None
+        return None  # _rank_slices: each rank copies its slices
     index = param.device.index
     return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+
+def _rank_slices(model: torch.nn.Module) -> tuple[torch.device, int, int] | None:
+    """(device, rank, size) for one of several tensor-parallel ranks on GPUs, else None."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return None
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    try:
+        size = get_tensor_model_parallel_world_size()
+    except AssertionError:
+        return None
+    if size < 2:
+        return None
+    index = param.device.index
+    device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+    return device, get_tensor_model_parallel_rank(), size
+
+
+def _rank_load(model: torch.nn.Module, view: ModelView, s: Settings, device: torch.device,
+               rank: int, size: int) -> tuple[slices.RankCopier, Future[Any] | None]:
+    """One rank's load: its weight loaders cut the views, the copier moves the slices."""
+    share = verify_share(view, rank, size) if s.verify else None
+    writes = "private" if view.volume.private_refused_reason is None else "readonly"
+    handle = start_load(view, "cpu", verify=False, writes=writes)
+    copier = slices.RankCopier(device, rank, size)
+    try:
+        with slices.active(copier):
+            copier.loaded = model.load_weights(
+                (name, slices.wrap(t)) for name, t in _pairs(handle))
+    finally:
+        copier.finish()
+    return copier, share
 
 
 def _settle(checks: Any) -> None:
     if isinstance(checks, BatchedLoad):
         checks.settle()
+    elif isinstance(checks, Future):
+        checks.exception()
     elif checks is not None:
         checks.verified.exception()
 

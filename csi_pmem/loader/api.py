@@ -170,6 +170,38 @@ def _verify_on_host(joined: _Verification, view: ModelView,
         [] if f.exception() else f.result(), f.exception()))
 
 
+def verify_share(view: ModelView, part: int, parts: int,
+                 threads: int | None = None) -> Future[None]:
+    """Check share ``part`` of ``parts`` of the model's staged chunks (those whose index
+    in the model is ``part`` modulo ``parts``) on the host, in the background.
+
+    Why: tensor-parallel ranks each read only their slices, so none of them reads every
+    chunk; split this way, the ranks of one engine check every chunk exactly once
+    between them, and an engine starts only when all of its ranks loaded. The future
+    raises :class:`ChecksumError` naming the damaged chunks.
+    """
+    if not 0 <= part < parts:
+        raise LoaderError(f"share {part} of {parts} does not exist")
+    chunks = checksum.model_chunks(view.model, [view.file(f) for f in view.headers])
+    mine = chunks[part::parts]
+    cpus = len(os.sched_getaffinity(0))
+    done: Future[None] = Future()
+    done.set_running_or_notify_cancel()
+
+    def finish(f: Future[list[checksum.Mismatch]]) -> None:
+        exc = f.exception()
+        if exc is None and f.result():
+            exc = damaged(view, f.result())
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+
+    checksum.start_verify(view.volume, mine, threads=threads or max(1, cpus // parts)) \
+        .add_done_callback(finish)
+    return done
+
+
 def _close_when_done(handle: LoadHandle, gpu: Any) -> None:
     """Unmap a volume this load opened once data and verification are done.
 

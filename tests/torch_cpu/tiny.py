@@ -14,13 +14,13 @@ MiB = 1 << 20
 
 
 def llama_dir(directory: Path, *, tied: bool = False, seed: int = 0,
-              hidden: int = 64) -> Path:
+              hidden: int = 64, kv_heads: int = 2) -> Path:
     """hidden 64, 2 layers, vocab 128, 4 heads over 2 KV heads: Llama's shape in small
     (grouped-query attention, fused qkv and gate_up in vLLM), float32. The engine's CPU
     attention needs a head size of 32 or more: hidden=256 for that."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads,
                       max_position_embeddings=256, tie_word_embeddings=tied,
                       dtype="float32")
     model = LlamaForCausalLM(cfg)
