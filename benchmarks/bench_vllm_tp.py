@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""Tensor-parallel ranks on one GPU, vLLM-shaped: TP ranks as separate processes, each
+filling its own shard-shaped parameters the way vLLM's Llama weight loaders cut each
+checkpoint tensor, from the same volume at once.
+
+Why: with tensor parallelism a rank must read only its own bytes, or 8 ranks read the
+model 8 times over the host's memory. vLLM's CUDA build cannot run on the GPU host (its
+wheels pin a newer torch, and the host has no network), so its weight loaders' cuts are
+reproduced, for rank r of TP:
+
+- column-parallel (``embed_tokens``, ``lm_head``, fused ``qkv_proj`` and
+  ``gate_up_proj`` members, q/k/v biases): ``loaded.narrow(0, r * rows, rows)``, into
+  ``param.narrow(0, offset, rows)`` for a fused member;
+- row-parallel (``o_proj``, ``down_proj``): ``loaded.narrow(1, r * cols, cols)``: a
+  stretch of every row;
+- everything else (the norms) whole, on every rank;
+
+each ending in ``param_slice.copy_(loaded_slice)``, as in vLLM.
+
+Methods, each in fresh processes (TP of them at once, on one GPU), rounds interleaved:
+  rank-slices   csi-pmem's format for a rank of several: VolumeTensor views whose copy_
+                goes through pinned buffers (csi_pmem.loader.gpu.slices)
+  cpu-views     plain views of the mapping, copy_ from pageable memory (what the format
+                did before)
+
+Each rank reports its seconds (start_load to torch.cuda.synchronize()), the bytes the
+copier moved (its slices), the bytes torch copied from the views itself, and whether
+every parameter equals the checkpoint's slice read by safetensors (bit for bit). The
+row's GB/s is the model's bytes over the slowest rank's seconds (an engine waits for
+its slowest rank); a rank's share is its bytes read over 1/TP of the model.
+
+Usage (on the GPU host, after ``source benchmarks/gpu_host.sh``):
+  python3 benchmarks/bench_vllm_tp.py --work /mnt/h/vllm --tp 2,4 --json tp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import bench_fresh as bf  # noqa: E402
+import bench_vllm as bv  # noqa: E402
+
+ROW_PARALLEL = (".o_proj.", ".down_proj.")
+METHODS = ("rank-slices", "cpu-views")
+
+
+def cut(name: str, shape: list[int], rank: int, tp: int) -> tuple[int, int, int] | None:
+    """(dim, start, length) of rank's cut of checkpoint tensor ``name``, or None: whole."""
+    if any(p in name for p in ROW_PARALLEL) and len(shape) == 2:
+        n = shape[1] // tp
+        return 1, rank * n, n
+    if "norm" in name:
+        return None
+    n = shape[0] // tp
+    return 0, rank * n, n
+
+
+def worker(spec: dict[str, Any]) -> int:
+    import torch
+
+    from csi_pmem.loader import start_load
+    from csi_pmem.loader.gpu import slices
+
+    rank, tp, method = spec["rank"], spec["tp"], spec["method"]
+    dev = torch.device(spec["device"])
+    torch.cuda.init()
+    with open(spec["reference"]) as f:
+        ref = json.load(f)["tensors"]
+    shapes, slots = bv.layout(ref)
+    dtypes = {"torch.bfloat16": torch.bfloat16, "torch.float32": torch.float32,
+              "torch.float16": torch.float16}
+    params = {}
+    for pname, (shape, dt) in shapes.items():
+        member = next(n for n, s in slots.items() if s.param == pname)
+        c = cut(member, shape, rank, tp)
+        if c is not None:
+            shape = list(shape)
+            shape[c[0]] = shape[c[0]] // tp
+        params[pname] = torch.empty(shape, dtype=dtypes[dt], device=dev)
+    torch.cuda.synchronize(dev)
+    copier = slices.RankCopier(dev, rank, tp) if method == "rank-slices" else None
+    t0 = time.perf_counter()
+    handle = start_load(spec["volume"], "cpu", verify=False, writes="readonly")
+    ctx = slices.active(copier) if copier else None
+    if ctx:
+        ctx.__enter__()
+    try:
+        for fut in handle.files.values():
+            for name, view in fut.result().items():
+                t = slices.wrap(view) if copier else view
+                slot = slots[name]
+                c = cut(name, list(view.shape), rank, tp)
+                if c is not None:
+                    t = t.narrow(*c)
+                dst = params[slot.param]
+                if slot.fused:
+                    dst = dst.narrow(0, slot.offset // tp, slot.rows // tp)
+                dst.copy_(t)
+    finally:
+        if ctx:
+            ctx.__exit__(None, None, None)
+        if copier:
+            copier.finish()
+    torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - t0
+    exact = check(params, slots, ref, spec["files"], rank, tp)
+    print("RESULT " + json.dumps({
+        "seconds": seconds, "exact": exact,
+        "copied": copier.copied if copier else None,
+        "elsewhere": copier.elsewhere if copier else None}), flush=True)
+    return 0
+
+
+def check(params: dict[str, Any], slots: dict[str, bv.Slot], ref: dict[str, Any],
+          files: list[str], rank: int, tp: int) -> bool:
+    """Every parameter slice against the checkpoint's cut, read by safetensors."""
+    import torch
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                want = f.get_tensor(name)
+                c = cut(name, list(want.shape), rank, tp)
+                if c is not None:
+                    want = want.narrow(*c)
+                slot = slots[name]
+                got = params[slot.param]
+                if slot.fused:
+                    got = got.narrow(0, slot.offset // tp, slot.rows // tp)
+                # Bytes, not values: a random checkpoint holds NaN patterns.
+                a = got.cpu().contiguous().view(-1).view(torch.uint8)
+                if not torch.equal(a, want.contiguous().view(-1).view(torch.uint8)):
+                    return False
+    return True
+
+
+def run_ranks(spec: dict[str, Any], tp: int, method: str, timeout: float) -> dict[str, Any]:
+    procs = []
+    for rank in range(tp):
+        s = dict(spec, rank=rank, tp=tp, method=method)
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, "--worker", json.dumps(s)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    ranks = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+        if p.returncode != 0 or line is None:
+            ranks.append({"error": err[-2000:], "rc": p.returncode})
+        else:
+            ranks.append(json.loads(line[7:]))
+    return {"tp": tp, "method": method, "ranks": ranks}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", default="/dev/shm/csi-pmem-vllm")
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--size-gb", type=float, default=14.7)
+    p.add_argument("--model")
+    p.add_argument("--volume")
+    p.add_argument("--tp", default="2,4")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--timeout-s", type=float, default=300)
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--json")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(json.loads(args.worker))
+    os.makedirs(os.path.join(args.work, "logs"), exist_ok=True)
+    src = bv.model_dir(args)
+    files = sorted(str(f) for f in Path(src).glob("*.safetensors"))
+    nbytes, ntensors = bf.tensor_bytes(files)
+    args.volume = [args.volume] if args.volume else None
+    volume = bf.stage_volumes(args, src)[0]
+    reference = os.path.join(args.work, f"reference-{args.shape}.json")
+    if not os.path.exists(reference):
+        common = {"files": files, "device": args.device, "nbytes": nbytes,
+                  "scratch": args.work, "reference": reference}
+        bf.make_reference(common, args, os.path.join(args.work, "logs"),
+                          script=str(HERE / "bench_vllm.py"))
+    spec = {"volume": volume, "files": files, "reference": reference,
+            "device": args.device}
+    methods = [m for m in args.methods.split(",") if m]
+    sizes = [int(x) for x in args.tp.split(",")]
+    bf.log(f"model {nbytes / 1e9:.2f} GB, {ntensors} tensors; TP {sizes}; {methods}")
+    records = []
+    for r in range(args.rounds):
+        for tp in sizes:
+            for m in methods:
+                rec = run_ranks(spec, tp, m, args.timeout_s)
+                rec["round"] = r
+                records.append(rec)
+                ok = [x for x in rec["ranks"] if "seconds" in x]
+                slow = max((x["seconds"] for x in ok), default=float("nan"))
+                bf.log(f"round {r} TP={tp} {m}: slowest rank {slow:.3f} s "
+                       f"({nbytes / 1e9 / slow:.2f} GB/s), exact "
+                       f"{[x.get('exact') for x in rec['ranks']]}, read "
+                       f"{[x.get('copied') for x in rec['ranks']]}")
+    rows = []
+    print("| TP | method | best GB/s (slowest rank) | median GB/s | each rank's read, of 1/TP"
+          " | copied by torch | exact |")
+    print("|---:|---|---:|---:|---|---:|---|")
+    for tp in sizes:
+        for m in methods:
+            recs = [x for x in records if x["tp"] == tp and x["method"] == m]
+            speeds, shares, exact, elsewhere = [], [], True, 0
+            for rec in recs:
+                ok = [x for x in rec["ranks"] if "seconds" in x]
+                exact = exact and len(ok) == tp and all(x["exact"] for x in ok)
+                if len(ok) == tp:
+                    speeds.append(nbytes / 1e9 / max(x["seconds"] for x in ok))
+                shares += [x["copied"] / (nbytes / tp) for x in ok
+                           if x.get("copied") is not None]
+                elsewhere += sum(x.get("elsewhere") or 0 for x in ok)
+            row = {"tp": tp, "method": m, "best GB/s": max(speeds, default=None),
+                   "median GB/s": statistics.median(speeds) if speeds else None,
+                   "share max": max(shares, default=None),
+                   "share min": min(shares, default=None),
+                   "copied by torch": elsewhere, "exact": exact}
+            rows.append(row)
+            share = (f"{row['share min']:.3f}-{row['share max']:.3f}"
+                     if shares else "n/a (not counted)")
+            best = f"{row['best GB/s']:.2f}" if speeds else "failed"
+            med = f"{row['median GB/s']:.2f}" if speeds else "-"
+            print(f"| {tp} | {m} | {best} | {med} | {share} | {elsewhere} | "
+                  f"{'yes' if exact else 'NO'} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model bytes": nbytes, "tensors": ntensors, "rows": rows,
+                       "records": records, "commit": os.environ.get("CSI_PMEM_COMMIT")},
+                      f, indent=1)
+    return 0 if all(r["exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
