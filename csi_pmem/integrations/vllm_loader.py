@@ -182,6 +182,10 @@ def _rank_load(model: torch.nn.Module, view: ModelView, s: Settings, device: tor
         with slices.active(copier):
             copier.loaded = model.load_weights(
                 (name, slices.wrap(t)) for name, t in _pairs(handle))
+    except BaseException:
+        if share is not None:
+            share.exception()  # the caller unmaps the volume: not under the hashing
+        raise
     finally:
         copier.finish()
     return copier, share

@@ -85,3 +85,25 @@ def test_a_damaged_chunk_fails_the_rank_that_checks_it(staged, tmp_path):
     failed = [r for r in got if r["error"]]
     assert len(failed) == 1, got  # one chunk: one rank owns its check
     assert "do not match their staged checksums" in failed[0]["error"]
+
+
+def test_a_tensor_of_the_wrong_shape_fails_the_ranks_with_vllms_error(staged, tmp_path):
+    """vLLM's weight loader refuses it mid-load on the rank whose cut falls outside it,
+    while that rank's share of the checks is hashing: the rank reports vLLM's error and
+    its process does not crash (ranks() asserts exit 0 for every rank)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    import shutil
+
+    shutil.copytree(staged["src"], src)
+    weights = load_file(str(src / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name] = torch.zeros(weights[name].shape[0], weights[name].shape[1] // 2)
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    vol = tiny.stage_dir(src, tmp_path / "published")
+    got = ranks(staged, 2, vol=vol)
+    failed = [r for r in got if r["error"]]
+    assert [r["rank"] for r in failed] == [1], got
+    assert "exceeds dimension size" in failed[0]["error"]
