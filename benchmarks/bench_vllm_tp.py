@@ -67,6 +67,12 @@ def cut(name: str, shape: list[int], rank: int, tp: int) -> tuple[int, int, int]
     return 0, rank * n, n
 
 
+def slices_threads() -> int:
+    from csi_pmem.loader.gpu.slices import THREADS
+
+    return THREADS
+
+
 def worker(spec: dict[str, Any]) -> int:
     import torch
 
@@ -90,7 +96,8 @@ def worker(spec: dict[str, Any]) -> int:
             shape[c[0]] = shape[c[0]] // tp
         params[pname] = torch.empty(shape, dtype=dtypes[dt], device=dev)
     torch.cuda.synchronize(dev)
-    copier = slices.RankCopier(dev, rank, tp) if method == "rank-slices" else None
+    copier = slices.RankCopier(dev, rank, tp, threads=spec["threads"]) \
+        if method == "rank-slices" else None
     t0 = time.perf_counter()
     handle = start_load(spec["volume"], "cpu", verify=False, writes="readonly")
     ctx = slices.active(copier) if copier else None
@@ -175,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", default="2,4")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=slices_threads(),
+                   help="packing threads per rank for rank-slices (default: the loader's)")
     p.add_argument("--timeout-s", type=float, default=300)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--json")
@@ -195,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         bf.make_reference(common, args, os.path.join(args.work, "logs"),
                           script=str(HERE / "bench_vllm.py"))
     spec = {"volume": volume, "files": files, "reference": reference,
-            "device": args.device}
+            "device": args.device, "threads": args.threads}
     methods = [m for m in args.methods.split(",") if m]
     sizes = [int(x) for x in args.tp.split(",")]
-    bf.log(f"model {nbytes / 1e9:.2f} GB, {ntensors} tensors; TP {sizes}; {methods}")
+    bf.log(f"model {nbytes / 1e9:.2f} GB, {ntensors} tensors; TP {sizes}; {methods}; "
+           f"{args.threads} packing threads per rank")
     records = []
     for r in range(args.rounds):
         for tp in sizes:
@@ -243,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model bytes": nbytes, "tensors": ntensors, "rows": rows,
+                       "threads": args.threads,
                        "records": records, "commit": os.environ.get("CSI_PMEM_COMMIT")},
                       f, indent=1)
     return 0 if all(r["exact"] for r in rows) else 1
