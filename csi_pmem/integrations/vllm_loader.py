@@ -87,13 +87,14 @@ class CsiPmemModelLoader(BaseModelLoader):
         s, view = self._open(model_config)
         started = time.monotonic()
         device = _device(model)
-        ranked = _rank_slices(model) if device is None else None
+        rank, size = _rank() if device is not None else (0, 1)
         checks: Any = None
         try:
             _check_config(view, getattr(model_config, "hf_config_path", None)
                           or model_config.model)
-            if ranked is not None:
-                copier, share = _rank_load(model, view, s, *ranked)
+            if size > 1:
+                assert device is not None  # CPU ranks take CPU views
+                copier, share = _rank_load(model, view, s, device, rank, size)
                 checks = share
                 loaded = copier.loaded
                 if share is not None:
@@ -133,42 +134,26 @@ class CsiPmemModelLoader(BaseModelLoader):
 
 
 def _device(model: torch.nn.Module) -> torch.device | None:
-    """The CUDA device to stream to, or None for CPU views: the parameters' device when
-    it is a GPU and this rank is alone (tensor-parallel size 1)."""
+    """The parameters' CUDA device, or None when they are on the CPU (vLLM's CPU build:
+    CPU views)."""
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cuda":
         return None
-    from vllm.distributed import get_tensor_model_parallel_world_size
-
-    try:
-        tp = get_tensor_model_parallel_world_size()
-    except AssertionError:  # no parallel state: a model built outside an engine
-        tp = 1
-    if tp > 1:
-        return None  # _rank_slices: each rank copies its slices
     index = param.device.index
     return torch.device("cuda", torch.cuda.current_device() if index is None else index)
 
 
-def _rank_slices(model: torch.nn.Module) -> tuple[torch.device, int, int] | None:
-    """(device, rank, size) for one of several tensor-parallel ranks on GPUs, else None."""
-    param = next(model.parameters(), None)
-    if param is None or param.device.type != "cuda":
-        return None
+def _rank() -> tuple[int, int]:
+    """(rank, size) of this worker's tensor-parallel group; (0, 1) alone."""
     from vllm.distributed import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
     )
 
     try:
-        size = get_tensor_model_parallel_world_size()
-    except AssertionError:
-        return None
-    if size < 2:
-        return None
-    index = param.device.index
-    device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
-    return device, get_tensor_model_parallel_rank(), size
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except AssertionError:  # no parallel state: a model built outside an engine
+        return 0, 1
 
 
 def _rank_load(model: torch.nn.Module, view: ModelView, s: Settings, device: torch.device,

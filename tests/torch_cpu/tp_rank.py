@@ -1,7 +1,7 @@
 """Run by test_vllm_tp.py, one process per tensor-parallel rank: vLLM's own Llama class
 at rank RANK of SIZE (gloo), loaded once by vLLM's default safetensors loader and once
-by ``--load-format csi-pmem`` through the rank-slice path (its copier pointed at the
-CPU, where vLLM's CPU build keeps the parameters); prints one line "RANK <json>": the
+by ``--load-format csi-pmem`` through the rank-slice path (its device pointed at
+the CPU, where vLLM's CPU build keeps the parameters); prints one line "RANK <json>": the
 parameters that differ, the bytes the copier moved, the bytes torch copied from the
 views itself, and the error of our load if it failed."""
 
@@ -32,14 +32,14 @@ def main() -> None:
     copiers = []
     real = slices.RankCopier
 
-    def on_cpu(model):
-        return torch.device("cpu"), rank, size
+    def on_cpu(model):  # the rank's "GPU" is the CPU its parameters are on
+        return torch.device("cpu")
 
     def counting(device, r, n, **kw):
         copiers.append(real(device, r, n, **kw))
         return copiers[-1]
 
-    vllm_loader._rank_slices = on_cpu
+    vllm_loader._device = on_cpu
     slices.RankCopier = counting
     out = {"rank": rank, "error": None}
     try:

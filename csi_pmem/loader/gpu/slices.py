@@ -50,10 +50,10 @@ class RankCopier:
 
     def __init__(self, device: torch.device, rank: int = 0, size: int = 1, *,
                  buffers: int = BUFFERS, buffer_size: int = BUFFER, threads: int = THREADS):
-        self.device, self.rank, self.size_of_group = device, rank, size
+        self.device, self.rank, self.size = device, rank, size
         self.loaded: set[str] | None = None  # what the server's load_weights reported
         self.cuda = device.type == "cuda"
-        self.size = buffer_size
+        self.buffer_size = buffer_size
         self.copied = 0  # bytes moved by this copier (the rank's slices)
         self.elsewhere = 0  # bytes of VolumeTensors copied by torch itself
         self.copies = 0
@@ -73,13 +73,13 @@ class RankCopier:
             return False
         if tuple(dst.shape) != tuple(src.shape) or src.numel() == 0:
             return False
-        return _row_bytes(src) <= self.size
+        return _row_bytes(src) <= self.buffer_size
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)``, block by block of whole leading rows through the ring."""
         plain = _plain(src)
         rows = plain.shape[0] if plain.dim() else 1
-        per = max(1, self.size // max(1, _row_bytes(plain)))
+        per = max(1, self.buffer_size // max(1, _row_bytes(plain)))
         with self._lock:
             for start in range(0, rows, per):
                 n = min(per, rows - start)
@@ -120,7 +120,7 @@ class RankCopier:
 
     def describe(self) -> str:
         """Where the load went and what it read, for the log line."""
-        out = (f"{self.device}, rank {self.rank} of {self.size_of_group}: "
+        out = (f"{self.device}, rank {self.rank} of {self.size}: "
                f"{describe_size(self.copied)} of its slices through pinned buffers")
         if self.elsewhere:
             out += f", {describe_size(self.elsewhere)} copied by torch from the views"
