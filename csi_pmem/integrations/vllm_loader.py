@@ -109,7 +109,8 @@ class CsiPmemModelLoader(BaseModelLoader):
                 batched.verified()  # ChecksumError: the volume copy is damaged
                 count, nbytes, path = (sum(len(b) for b in batched.batches),
                                        batched.nbytes, batched.path)
-                where = f"{device} (batches of up to {human_size(batched.limit)})"
+                where = (f"{device} (batches of up to {human_size(batched.limit)}, "
+                         f"at most {human_size(batched.bound)} held)")
             else:
                 # vLLM's weight loaders copy from these tensors into its own
                 # parameters: zero-copy views, private where the volume allows it, and

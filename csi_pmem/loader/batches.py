@@ -9,13 +9,17 @@ an 80 GB card), and CPU views of the mapping make every parameter copy a pageabl
 ``load_safetensors`` takes (the node's copy service where the volume has ``gpu.sock``,
 else the in-pod bounce), and the consumer's copies from it are device-to-device.
 
-The bound: the batch the consumer reads and ``ahead`` batches loading hold device
-memory, each at most ``budget / (ahead + 1)`` bytes of tensors; a tensor larger than
-that is a batch alone, and the bound is then that tensor plus the batches loading (a
-server needs each checkpoint tensor whole). Batch k + ahead starts once the consumer
-took the first tensor of batch k, so batch k - 1's last tensor, which the consumer's
-loop variable holds until then, is already dropped (the tensors are views of one
-allocation per batch, freed with the last view).
+The bound: every batch is counted from its start until the consumer has provably let
+go of it, which is when it comes back for the second tensor after it (its loop variable
+held the last one until then; the tensors are views of one allocation per batch, freed
+with the last view). A batch starts only while the batches counted plus its bytes fit
+the budget, so the extra device memory is ``budget`` whatever the model. Runs are cut
+at ``budget / (ahead + 1)`` bytes; a tensor larger than that is a batch alone (a server
+needs each checkpoint tensor whole), and the runs beside it are cut to fit the room it
+leaves (a Llama-3-8B embedding is 1002 MiB of a 1 GiB budget). Only a tensor that
+cannot fit the budget beside its neighbours is loaded beyond it, and the load says so:
+:attr:`BatchedLoad.bound` is the most it holds, counted before it starts. On an H100
+the earlier rule (count batches, not bytes) held 1428 MiB against a 1 GiB budget.
 
 Why two ahead on the node path: a batch's request (a connection, an exportable
 allocation, the service mapping it) costs milliseconds in which the link idles unless
@@ -55,11 +59,13 @@ log = logging.getLogger(__name__)
 DEFAULT_BUDGET = 1 * GiB
 
 
-def plan_batches(selection: dict[str, list[TensorInfo]],
-                 limit: int) -> list[list[TensorInfo]]:
+def plan_batches(selection: dict[str, list[TensorInfo]], limit: int,
+                 budget: int | None = None) -> list[list[TensorInfo]]:
     """The tensors in volume order, cut into runs of at most ``limit`` bytes each (a
     larger tensor is a run alone). Runs do not cross files: a run within one file is
-    one device allocation, its bytes as on the volume, which :mod:`.gpu.batchcheck` sums."""
+    one device allocation, its bytes as on the volume, which :mod:`.gpu.batchcheck` sums.
+    With ``budget``, the runs beside a lone large tensor are cut further, to share the
+    room it leaves in the budget (see :func:`_make_room`)."""
     batches: list[list[TensorInfo]] = []
     for tensors in selection.values():
         run: list[TensorInfo] = []
@@ -72,7 +78,100 @@ def plan_batches(selection: dict[str, list[TensorInfo]],
             size += t.nbytes
         if run:
             batches.append(run)
-    return batches
+    return batches if budget is None else _make_room(batches, limit, budget)
+
+
+def _nbytes(batch: list[TensorInfo]) -> int:
+    return sum(t.nbytes for t in batch)
+
+
+def _make_room(batches: list[list[TensorInfo]], limit: int,
+               budget: int) -> list[list[TensorInfo]]:
+    """Split the neighbours of every batch over ``limit`` so that the part touching it
+    fits half the room it leaves (all of it with one neighbour): a big batch can then
+    start while the one before it is read, and the one after it can load beside it.
+    Without this, the big batch would wait for its predecessor's whole run, or the
+    bound would be broken. A neighbour that is one tensor is left as it is."""
+    out = [list(b) for b in batches]
+    i = 0
+    while i < len(out):
+        size = _nbytes(out[i])
+        if size <= limit:
+            i += 1
+            continue
+        sides = (i > 0) + (i + 1 < len(out))
+        share = max(budget - size, 0) // max(sides, 1)
+        if i + 1 < len(out):
+            after = out[i + 1]
+            k = _fits(after, share)
+            if 0 < k < len(after):
+                out[i + 1:i + 2] = [after[:k], after[k:]]
+        if i > 0:
+            before = out[i - 1]
+            k = len(before) - _fits(before[::-1], share)
+            if 0 < k < len(before):
+                out[i - 1:i] = [before[:k], before[k:]]
+                i += 1
+        i += 1
+    return out
+
+
+def _fits(tensors: list[TensorInfo], room: int) -> int:
+    """How many of ``tensors``, from the first, fit ``room`` bytes."""
+    total = 0
+    for k, t in enumerate(tensors):
+        total += t.nbytes
+        if total > room:
+            return k
+    return len(tensors)
+
+
+class _Window:
+    """Which batches may start, given how far the consumer has read: a pure rule, so
+    that :class:`BatchedLoad` can count its bound before the load and follow the same
+    steps during it. Batches ``[max(current, 0), next)`` hold device memory: the one
+    the consumer reads and those loading."""
+
+    def __init__(self, sizes: list[int], budget: int, ahead: int):
+        self.sizes, self.budget, self.ahead = sizes, budget, ahead
+        self.current, self.next, self.peak = -1, 0, 0
+
+    def _held(self) -> int:
+        return sum(self.sizes[max(self.current, 0):self.next])
+
+    def _take(self) -> int:
+        self.peak = max(self.peak, self._held() + self.sizes[self.next])
+        self.next += 1
+        return self.next - 1
+
+    def fill(self) -> list[int]:
+        """Batches to start now: at most ``ahead`` loading, within the budget."""
+        started = []
+        while (self.next < len(self.sizes) and self.next - self.current - 1 < self.ahead
+               and self._held() + self.sizes[self.next] <= self.budget):
+            started.append(self._take())
+        return started
+
+    def need(self, i: int) -> list[int]:
+        """The consumer waits for batch ``i``: start it if the budget kept it back
+        (its predecessor is still held: the bound is then the two of them)."""
+        return [self._take()] if self.next == i else []
+
+    def first_taken(self, i: int) -> list[int]:
+        """The consumer came back after batch ``i``'s first tensor: the batches before
+        it are free."""
+        self.current = i
+        return self.fill()
+
+
+def _bound(sizes: list[int], budget: int, ahead: int) -> int:
+    """The most device memory the batches hold at once, following the window's rule."""
+    window = _Window(sizes, budget, ahead)
+    window.fill()
+    for i in range(len(sizes)):
+        window.need(i)
+        window.first_taken(i)
+    return window.peak
 
 
 class BatchedLoad:
@@ -80,7 +179,8 @@ class BatchedLoad:
 
     ``budget``: the extra device memory in bytes, ``ahead + 1`` batches of an equal
     share; ``ahead``: batches loading while the consumer reads one (default: 2 where
-    the node's copy service will serve them, else 1).
+    the node's copy service will serve them, else 1). ``bound``: the most the batches
+    hold at once, ``budget`` or less unless one tensor and its neighbours cannot fit.
     ``names``/``predicate`` pick a subset, as in ``start_load``. After the iteration,
     :meth:`verified` waits for every batch's check; ``path`` names the copy path the
     batches took (``node``, ``bounce``, ...), ``nbytes`` and ``seconds`` what moved.
@@ -101,14 +201,15 @@ class BatchedLoad:
             raise ValueError(f"ahead must be 1 or more batches, not {self.ahead}")
         self.limit = budget // (self.ahead + 1)
         selection = view.select(names, predicate)
-        self.batches = plan_batches(selection, self.limit)
+        self.batches = plan_batches(selection, self.limit, budget)
         owner = {t.name: f for f, ts in selection.items() for t in ts}
         self._files = [owner[b[0].name] for b in self.batches]
         self.check: BatchCheck | None = for_load(view, selection, device) if verify \
             else None
         self._bad: list[Any] | None = None
         self.nbytes = sum(t.nbytes for b in self.batches for t in b)
-        self.largest = max((sum(t.nbytes for t in b) for b in self.batches), default=0)
+        self.sizes = [_nbytes(b) for b in self.batches]
+        self.bound = _bound(self.sizes, budget, self.ahead)
         self.paths: set[str] = set()
         self.seconds: float | None = None
         self._checks: list[Future[None]] = []
@@ -141,16 +242,17 @@ class BatchedLoad:
         if self._used:
             raise RuntimeError("a BatchedLoad is iterated once")
         self._used = True
-        if self.largest > self.limit:
-            log.info("the largest tensor batch is %s, over the budget's share of %s: "
-                     "the load holds up to %s of device memory beyond the model",
-                     describe_size(self.largest), describe_size(self.limit),
-                     describe_size(self.largest + self.ahead * self.limit))
+        if self.bound > self.budget:
+            log.info("a tensor batch of %s does not fit the budget of %s beside its "
+                     "neighbours: the load holds up to %s of device memory beyond the "
+                     "model", describe_size(max(self.sizes)), describe_size(self.budget),
+                     describe_size(self.bound))
         started = time.monotonic()
-        loading: deque[LoadHandle] = deque(
-            self._start(i) for i in range(min(self.ahead, len(self.batches))))
+        window = _Window(self.sizes, self.budget, self.ahead)
+        loading: deque[LoadHandle] = deque(self._start(j) for j in window.fill())
         for i, batch in enumerate(self.batches):
-            handle = loading.popleft()  # started before its turn
+            loading.extend(self._start(j) for j in window.need(i))
+            handle = loading.popleft()
             tensors = dict(handle.done.result())  # LoaderError: the copy failed
             self.paths.add(handle.path or "none")
             if self.check is not None and self._on_device(i):
@@ -165,8 +267,7 @@ class BatchedLoad:
                 if k == 0:
                     if self.check is not None:  # the previous batch's sums ran
                         self.check.release(keep=1)
-                    if i + self.ahead < len(self.batches):
-                        loading.append(self._start(i + self.ahead))
+                    loading.extend(self._start(j) for j in window.first_taken(i))
             del tensors
         self.seconds = time.monotonic() - started
 

@@ -102,6 +102,89 @@ def test_every_tensor_once_in_volume_order_with_two_batches_at_most(shm, monkeyp
         view.volume.close()
 
 
+KiB = 1024
+
+
+def held_at_starts(load, start):
+    """The device memory each batch's start finds held, counted from the consumer's
+    side: batch m is free once the consumer took the first tensor of batch m + 1 and
+    asked for the next one (its loop variable held m's last tensor until then)."""
+    firsts = [0]
+    for size in load.batches:
+        firsts.append(firsts[-1] + len(size))
+    peak = 0
+    for j, (_, taken) in enumerate(start.events):  # batches start in order
+        held = sum(load.sizes[m] for m in range(j) if taken < firsts[m + 1] + 1)
+        peak = max(peak, held + load.sizes[j])
+    return peak
+
+
+def llama_like(shm, big=60 * KiB, small=(4 * KiB, 12 * KiB)):
+    """A big embedding first and a big head last (as Llama's 1002 MiB ones against a
+    1 GiB budget), layers of mixed small tensors between."""
+    r = lm.rng(7)
+    ref = {"a_embed": r.standard_normal(big // 2).astype(np.float16),
+           "z_head": r.standard_normal(big // 2).astype(np.float16)}
+    for i in range(25):  # 4 KiB tensors first and last
+        ref[f"m_layer_{i:02d}"] = r.standard_normal(small[i % 2] // 2).astype(np.float16)
+    src = shm / "src"
+    lm.save_numpy_model(src, ref)
+    return lm.staged_volume(src, shm / "vol.img"), ref
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_big_tensors_stay_within_the_budget_counted_in_bytes(shm, monkeypatch, ahead):
+    vol, ref = llama_like(shm)
+    start = CpuStart()
+    monkeypatch.setattr(batches_mod, "start_load", start)
+    view = open_model(vol)
+    try:
+        budget = 64 * KiB
+        load = BatchedLoad(view, "cuda:0", budget=budget, ahead=ahead)
+        names = [b[0].name for b in load.batches]
+        assert names[0] == "a_embed" and len(load.batches[0]) == 1
+        assert load.batches[-1][0].name == "z_head"
+        # The runs beside a big tensor are cut to the room it leaves (one neighbour
+        # each here: the first and the last tensor are the big ones).
+        assert load.sizes[1] <= budget - load.sizes[0]
+        assert load.sizes[-2] <= budget - load.sizes[-1]
+        got = {}
+        for name, tensor in load:
+            got[name] = np.array(tensor)
+            start.taken += 1
+        load.verified()
+        lm.assert_same(got, ref)
+        assert load.bound <= budget
+        assert held_at_starts(load, start) == load.bound
+    finally:
+        view.volume.close()
+
+
+def test_a_tensor_that_cannot_fit_is_loaded_beyond_the_budget_and_said(shm, monkeypatch,
+                                                                      caplog):
+    vol, ref = llama_like(shm, big=60 * KiB, small=(12 * KiB, 12 * KiB))
+    start = CpuStart()
+    monkeypatch.setattr(batches_mod, "start_load", start)
+    view = open_model(vol)
+    try:
+        load = BatchedLoad(view, "cuda:0", budget=64 * KiB, ahead=2)
+        assert load.bound == 72 * KiB  # the embedding and a 12 KiB neighbour
+        with caplog.at_level("INFO", logger=batches_mod.__name__):
+            got = {name: np.array(t) for name, t in _counted(load, start)}
+        load.verified()
+        lm.assert_same(got, ref)
+        assert held_at_starts(load, start) == load.bound
+        assert "holds up to 72.0 KiB" in caplog.text, caplog.text
+    finally:
+        view.volume.close()
+
+
+def _counted(load, start):
+    for name, tensor in load:
+        yield name, tensor
+        start.taken += 1
+
+
 def test_a_damaged_chunk_fails_the_load(shm, monkeypatch):
     vol, _ = staged(shm)
     view = open_model(vol)
