@@ -391,6 +391,11 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
                 sys.stdout.flush()
                 os.execve(sys.executable, [sys.executable, *sys.argv],
                           {**os.environ, **extra, bf.REEXEC: "1"})
+        if spec.get("trace"):
+            import logging
+
+            logging.basicConfig(level=logging.DEBUG, stream=sys.stderr,
+                                format="%(relativeCreated).1f ms %(name)s %(message)s")
         torch, dev = bf.cuda_device(ctx.device)
         ctx.device = str(dev)
         if method.setup is not None:
@@ -495,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float)
     p.add_argument("--json")
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--trace", action="store_true",
+                   help="log the loader's debug lines (each batch's request, allocation "
+                        "and copies, in ms) to each worker's stderr in WORK/logs")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--make-reference", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -519,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     volumes = bf.stage_volumes(args, src) if any(METHODS[n].volume for n in names) else []
     common = {"files": files, "device": args.device, "nbytes": nbytes,
               "scratch": args.work, "budget": parse_quantity(args.budget),
+              "trace": args.trace,
               "reference": os.path.join(args.work, f"reference-{args.shape}.json")}
     if not os.path.exists(common["reference"]):
         ref_env = bf.make_reference(common, args, logs, script=__file__)

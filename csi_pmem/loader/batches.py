@@ -212,6 +212,7 @@ class BatchedLoad:
         self.bound = _bound(self.sizes, budget, self.ahead)
         self.paths: set[str] = set()
         self.seconds: float | None = None
+        self.waited = 0.0  # seconds the consumer waited for batches
         self._checks: list[Future[None]] = []
         self._used = False
 
@@ -232,6 +233,8 @@ class BatchedLoad:
         return self.check is not None and self.check.covers(self._files[i])
 
     def _start(self, i: int) -> LoadHandle:
+        log.debug("batch %d of %d (%s) starts", i, len(self.batches),
+                  describe_size(self.sizes[i]))
         handle = start_load(self.view, self.device, names=[t.name for t in self.batches[i]],
                             verify=self.verify and not self._on_device(i),
                             loader=self.loader)
@@ -253,7 +256,11 @@ class BatchedLoad:
         for i, batch in enumerate(self.batches):
             loading.extend(self._start(j) for j in window.need(i))
             handle = loading.popleft()
+            waited = time.monotonic()
             tensors = dict(handle.done.result())  # LoaderError: the copy failed
+            waited = time.monotonic() - waited
+            self.waited += waited
+            log.debug("batch %d in after %.2f ms waiting", i, waited * 1e3)
             self.paths.add(handle.path or "none")
             if self.check is not None and self._on_device(i):
                 self.check.submit(self._files[i], batch, tensors)
