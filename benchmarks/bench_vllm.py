@@ -333,6 +333,7 @@ METHODS: dict[str, Method] = {
     CEILING: Method(None),
     "ours-node": ours(node=True),
     "ours-node-ahead1": ours(node=True, ahead=1),  # one batch ahead: the earlier default
+    "ours-node-ahead3": ours(node=True, ahead=3),  # three ahead, a quarter of the budget
     "ours-node-noverify": ours(node=True, verify=False),
     "ours": ours(),
     "ours-noverify": ours(verify=False),
