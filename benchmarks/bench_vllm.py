@@ -213,7 +213,11 @@ def count_exported() -> dict[str, int]:
     return counts
 
 
-def ours(node: bool = False, verify: bool = True, ahead: int | None = None) -> Method:
+def ours(node: bool = False, verify: bool = True, ahead: int | None = None,
+         consume: bool = True) -> Method:
+    """``consume=False``: a diagnostic, not a load: the batches are drained without the
+    copies into the parameters (so the row is never exact), to tell the link's rate
+    for batches from what the server's copies beside them cost."""
     def setup(ctx: bf.Ctx) -> None:
         import csi_pmem.loader.batches
         import csi_pmem.loader.gpu.loader  # noqa: F401
@@ -234,7 +238,12 @@ def ours(node: bool = False, verify: bool = True, ahead: int | None = None) -> M
             load.verified()
             return load.path
 
-        return iter(load), end
+        def drained() -> Iterator[tuple[str, Any]]:
+            for _ in load:
+                pass
+            yield from ()
+
+        return (iter(load) if consume else drained()), end
 
     def env(ctx: bf.Ctx) -> dict[str, str]:
         return {"CSI_PMEM_GPU_COPY": "auto" if node else "off"}
@@ -335,6 +344,7 @@ METHODS: dict[str, Method] = {
     "ours-node-ahead1": ours(node=True, ahead=1),  # one batch ahead: the earlier default
     "ours-node-ahead3": ours(node=True, ahead=3),  # three ahead, a quarter of the budget
     "ours-node-noverify": ours(node=True, verify=False),
+    "ours-node-drain": ours(node=True, verify=False, consume=False),  # diagnostic
     "ours": ours(),
     "ours-noverify": ours(verify=False),
     "ours-cpu-views": ours_cpu_views(),
