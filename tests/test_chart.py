@@ -774,8 +774,17 @@ def test_memory_pools_are_added_to_the_drivers_own_resources(helm: str) -> None:
     (("--set", "backend.type=memory,backend.memory.fs=hugetlbfs,backend.memory.pages=1G",
       "--set", "backend.memory.poolsTotal=1536Mi"),
      "backend.memory.poolsTotal: 1536Mi is not a whole number of 1G huge pages"),
+    (("-f", "MEMORY", "--set-json",
+      'backend.memory.pools=[{"numaNode": 0, "size": "1Gi"}, '
+      '{"numaNode": 0, "size": "2Gi"}]'),
+     "backend.memory.pools: NUMA node 0 has two pools (1Gi and 2Gi)"),
+    (("-f", "MEMORY", "--set", "backend.memory.fs=hugetlbfs",
+      "--set-json", "driver.resources=null"),
+     "driver.resources: the driver requests hugepages-2Mi for its hugetlbfs pools, and "
+     "Kubernetes refuses a container that requests huge pages without a cpu or memory "
+     "request"),
 ], ids=["shares", "one-share", "total-with-sizes", "tiny", "1G-not-whole", "hugepages-given",
-        "own-request-unparsed", "total-not-whole-pages"])
+        "own-request-unparsed", "total-not-whole-pages", "node-twice", "hugepages-alone"])
 def test_memory_values_the_chart_cannot_request_fail_the_render(
         helm: str, args: tuple[str, ...], message: str) -> None:
     args = tuple(str(MEMORY_VALUES) if a == "MEMORY" else a for a in args)
@@ -815,7 +824,8 @@ def test_schema_rejects_bad_memory_values(helm: str, setting: str, path: str) ->
     assert path in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("size", ["4GB", "150%", "0.5Gi", "-1Gi", "50 %"])
+@pytest.mark.parametrize("size", ["4GB", "150%", "0.5Gi", "-1Gi", "50 %", "0%", "0.0%",
+                                  "100.5%", "00%"])
 def test_schema_rejects_bad_memory_pool_sizes(helm: str, size: str) -> None:
     proc = run_helm(helm, "template", "-f", str(MEMORY_VALUES),
                     "--set-json", pools_json({0: size}))

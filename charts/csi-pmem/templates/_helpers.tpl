@@ -99,7 +99,13 @@ such a pool needs backend.memory.poolsTotal, and only such a pool may have one.
 {{/* backend.memory.pools as the driver's NUMA=SIZE list: "0=64Gi,1=50%". */}}
 {{- define "csi-pmem.memoryPools" -}}
 {{- $parts := list -}}
+{{- $seen := dict -}}
 {{- range .Values.backend.memory.pools -}}
+{{- $node := toString (int .numaNode) -}}
+{{- if hasKey $seen $node -}}
+{{- fail (printf "backend.memory.pools: NUMA node %s has two pools (%s and %s); give each node one pool, of the two sizes' sum" $node (get $seen $node) (toString .size)) -}}
+{{- end -}}
+{{- $_ := set $seen $node (toString .size) -}}
 {{- $parts = append $parts (printf "%d=%s" (int .numaNode) (toString .size)) -}}
 {{- end -}}
 {{- join "," $parts -}}
@@ -190,6 +196,9 @@ pools, whose pages the driver's fallocate charges to its memory cgroup.
 {{- $key := printf "hugepages-%si" $m.pages -}}
 {{- if or (hasKey $req $key) (hasKey $lim $key) -}}
 {{- fail (printf "driver.resources: %s is the sum of backend.memory.pools, set by the chart; remove it from driver.resources" $key) -}}
+{{- end -}}
+{{- if not (or (hasKey $req "memory") (hasKey $req "cpu")) -}}
+{{- fail (printf "driver.resources: the driver requests %s for its hugetlbfs pools, and Kubernetes refuses a container that requests huge pages without a cpu or memory request; set driver.resources.requests.memory (for example 128Mi)" $key) -}}
 {{- end -}}
 {{- $_ := set $req $key (include "csi-pmem.quantity" $pools) -}}
 {{- $_ = set $lim $key (include "csi-pmem.quantity" $pools) -}}
