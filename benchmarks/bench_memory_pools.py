@@ -17,6 +17,10 @@ each volume is deleted (not timed) before the next. Prints the medians and bests
 the NUMA layout (``numactl -H`` when installed), and writes ``--json``.
 
 Needs root (the pools are mounts). Everything it creates is removed at the end.
+``--reserve`` (hugetlbfs) reserves node 0's huge pages for the pool before the driver
+starts and before each create, and gives them back after each delete, so that the
+memset of the same size has the memory: a 24 GiB host cannot hold 16 GiB of reserved
+pages beside a 16 GiB memset. The reserving is not timed.
 
 Usage: benchmarks/bench_memory_pools.py [--sizes 1Gi,4Gi] [--rounds 3] [--fs tmpfs]
                                         [--pages 2M] [--json out.json]
@@ -81,6 +85,28 @@ def memset_seconds(size: int, huge: bool) -> float:
             m.close()
 
 
+class Reserve:
+    """Node 0's reserved huge pages of ``pages`` size, set and given back (``--reserve``)."""
+
+    def __init__(self, pages: str, nbytes: int):
+        kib = {"2M": 2048, "1G": 1048576}[pages]
+        self.path = Path(f"/sys/devices/system/node/node0/hugepages/hugepages-{kib}kB/"
+                         "nr_hugepages")
+        self.count = -(-nbytes // (kib * 1024))
+        self.before = int(self.path.read_text())
+
+    def take(self) -> None:
+        self.path.write_text(str(self.before + self.count))
+        got = int(self.path.read_text())
+        if got < self.before + self.count:
+            self.give_back()
+            raise SystemExit(f"bench_memory_pools: node 0 reserved {got - self.before} of "
+                             f"the {self.count} huge pages asked ({self.path})")
+
+    def give_back(self) -> None:
+        self.path.write_text(str(self.before))
+
+
 def numa_layout() -> str:
     if shutil.which("numactl") is None:
         nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
@@ -99,18 +125,27 @@ def run(args: argparse.Namespace) -> dict:
                                                for s, _ in sizes}
     base = Path(tempfile.mkdtemp(prefix="csi-pmem-bench-mem-"))
     drv = MemoryDriver(base, pool, args.fs, args.pages)
+    reserve = Reserve(args.pages, pool) if args.reserve else None
     try:
+        if reserve is not None:
+            reserve.take()
         drv.start()
         for rnd in range(args.rounds):
             for label, size in sizes:
+                if reserve is not None:
+                    reserve.take()
                 t0 = time.perf_counter()
                 vid = drv.create(f"bench-{rnd}-{label}", size,
                                  {"numaNode": "0", "eraseOnDelete": "false"})
                 rows[label]["create"].append(time.perf_counter() - t0)
                 drv.delete(vid)
+                if reserve is not None:
+                    reserve.give_back()
                 rows[label]["memset"].append(memset_seconds(size, args.pages != "4k"))
     finally:
         drv.stop()
+        if reserve is not None:
+            reserve.give_back()
         with contextlib.suppress(OSError):
             for mnt in sorted((base / "memory").glob("region*"), reverse=True):
                 subprocess.run(["umount", str(mnt)], timeout=60, check=False,
@@ -126,6 +161,7 @@ def run(args: argparse.Namespace) -> dict:
                       "create GB/s (median)": size / 1e9 / statistics.median(c),
                       "rounds": {"create": c, "memset": m}})
     return {"fs": args.fs, "pages": args.pages, "rounds": args.rounds,
+            "reserve": bool(args.reserve),
             "host": {"cpus": os.cpu_count(), "kernel": os.uname().release,
                      "numa": numa_layout()}, "table": table}
 
@@ -148,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fs", choices=("tmpfs", "hugetlbfs"), default="tmpfs")
     ap.add_argument("--pages", choices=("4k", "2M", "1G"), default="2M")
+    ap.add_argument("--reserve", action="store_true",
+                    help="hugetlbfs: reserve node 0's pages around each create only")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.reserve and (args.fs != "hugetlbfs" or args.pages == "4k"):
+        ap.error("--reserve is for hugetlbfs pools of 2M or 1G pages")
     if os.geteuid() != 0:
         print("bench_memory_pools: needs root (the pools are mounts)", file=sys.stderr)
         return 2
