@@ -45,6 +45,13 @@ class CpuStart:
         return start_load(view, "cpu", names=names, verify=verify, framework="numpy")
 
 
+def counted(load, start):
+    """The load's pairs, counting each one the consumer is done with."""
+    for name, tensor in load:
+        yield name, tensor
+        start.taken += 1
+
+
 def staged(shm, sharded=True):
     src = shm / "src"
     ref = lm.sharded_model(src, shards=3, per_shard=4) if sharded else lm.numpy_tensors()
@@ -82,10 +89,7 @@ def test_every_tensor_once_in_volume_order_with_two_batches_at_most(shm, monkeyp
     try:
         load = BatchedLoad(view, "cuda:0", budget=2 * 9000)
         assert len(load.batches) > 3
-        got = {}
-        for name, tensor in load:
-            got[name] = np.array(tensor)
-            start.taken += 1
+        got = {name: np.array(t) for name, t in counted(load, start)}
         load.verified()
         lm.assert_same(got, ref)
         order = [t.name for b in load.batches for t in b]
@@ -148,10 +152,7 @@ def test_big_tensors_stay_within_the_budget_counted_in_bytes(shm, monkeypatch, a
         # each here: the first and the last tensor are the big ones).
         assert load.sizes[1] <= budget - load.sizes[0]
         assert load.sizes[-2] <= budget - load.sizes[-1]
-        got = {}
-        for name, tensor in load:
-            got[name] = np.array(tensor)
-            start.taken += 1
+        got = {name: np.array(t) for name, t in counted(load, start)}
         load.verified()
         lm.assert_same(got, ref)
         assert load.bound <= budget
@@ -170,19 +171,13 @@ def test_a_tensor_that_cannot_fit_is_loaded_beyond_the_budget_and_said(shm, monk
         load = BatchedLoad(view, "cuda:0", budget=64 * KiB, ahead=2)
         assert load.bound == 72 * KiB  # the embedding and a 12 KiB neighbour
         with caplog.at_level("INFO", logger=batches_mod.__name__):
-            got = {name: np.array(t) for name, t in _counted(load, start)}
+            got = {name: np.array(t) for name, t in counted(load, start)}
         load.verified()
         lm.assert_same(got, ref)
         assert held_at_starts(load, start) == load.bound
         assert "holds up to 72.0 KiB" in caplog.text, caplog.text
     finally:
         view.volume.close()
-
-
-def _counted(load, start):
-    for name, tensor in load:
-        yield name, tensor
-        start.taken += 1
 
 
 def test_a_damaged_chunk_fails_the_load(shm, monkeypatch):
