@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -29,11 +28,6 @@ from csi_pmem.gpucopy.copier import CopyError, HostCopy, Target
 log = logging.getLogger(__name__)
 
 EVENTS_AHEAD = 512  # per GPU: a 15 GB model is about 230 copies of 64 MiB
-# "one": every request to a GPU queues on one stream, in the order requests arrive, so
-# that the link serves one copy at a time; "per-request" (the default): a stream each,
-# so requests made side by side share the link. A setting for measuring which is
-# faster on a given host (benchmarks/bench_vllm.py), not yet a flag of the service.
-STREAMS_ENV = "CSI_PMEM_GPU_COPY_STREAMS"
 
 
 def driver() -> Any:
@@ -74,7 +68,6 @@ class CudaTarget:
         self.gpu, self.size = gpu, size
         self._cu, self._copier = cu, copier
         self._stream: Any = None
-        self.fence: Any = None  # on a shared stream: recorded after this target's copies
         self.handle = check(cu, cu.cuMemImportFromShareableHandle(
             fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
             "importing the allocation (cuMemImportFromShareableHandle)")
@@ -122,17 +115,6 @@ class CudaTarget:
 
     def close(self) -> None:
         cu = self._cu
-        if self._stream is not None and self._copier.shared:
-            # Only this target's copies must be done; the stream goes on serving others.
-            if self.fence is not None:
-                ok = int(cu.cuEventSynchronize(self.fence)[0]) == 0
-                cu.cuEventDestroy(self.fence)
-                self.fence = None
-            else:  # queuing failed before the fence: wait for the whole stream
-                ok = int(cu.cuStreamSynchronize(self._stream)[0]) == 0
-            if not ok:
-                self._copier.drop_shared(self.ordinal)
-            self._stream = None
         if self._stream is not None:
             # Nothing may still write the memory once it is unmapped.
             if int(cu.cuStreamSynchronize(self._stream)[0]) == 0:
@@ -166,8 +148,6 @@ class CudaCopier:
         # per copy on the way to its first byte.
         self._streams: dict[int, list[Any]] = {}
         self._events: dict[int, list[Any]] = {}
-        self.shared = os.environ.get(STREAMS_ENV, "per-request") == "one"
-        self._one: dict[int, Any] = {}
         for ordinal in range(count):
             self.make_current(ordinal)
             self.give_stream(ordinal, self._new_stream())
@@ -191,28 +171,13 @@ class CudaCopier:
                      "creating an event")
 
     def take_stream(self, ordinal: int) -> Any:
-        """An idle stream of GPU ``ordinal`` (its context current); with one stream a
-        GPU, that one."""
-        if self.shared:
-            with self._lock:
-                stream = self._one.get(ordinal)
-            if stream is None:
-                self.make_current(ordinal)
-                stream = self._new_stream()
-                with self._lock:
-                    stream = self._one.setdefault(ordinal, stream)
-            return stream
+        """An idle stream of GPU ``ordinal`` (its context current)."""
         with self._lock:
             free = self._streams.setdefault(ordinal, [])
             if free:
                 return free.pop()
         self.make_current(ordinal)
         return self._new_stream()
-
-    def drop_shared(self, ordinal: int) -> None:
-        """A GPU's shared stream faulted: the next request gets a new one."""
-        with self._lock:
-            self._one.pop(ordinal, None)
 
     def give_stream(self, ordinal: int, stream: Any) -> None:
         """Return a stream with nothing queued on it."""
@@ -274,10 +239,6 @@ class CudaCopier:
                 ev = self._take_event(target.ordinal)
                 tokens.append((target, ev))  # spent by discard below if the record fails
                 check(cu, cu.cuEventRecord(ev, stream), "recording an event")
-            if self.shared:
-                if target.fence is None:
-                    target.fence = self._new_event()
-                check(cu, cu.cuEventRecord(target.fence, stream), "recording an event")
         except BaseException:
             for token in tokens:  # the caller never sees them
                 self.discard(token)
