@@ -692,6 +692,33 @@ def test_batches_are_checked_on_the_device_across_their_boundaries(tmp_path, odd
 
 
 @cuda
+def test_the_batches_of_one_load_keep_the_first_ones_path(tmp_path):
+    """A batched load is one load of the model: every batch takes the bounce buffers a
+    first load takes, none the registered path that the loader chooses from a mapping's
+    second load on (each batch would register its own pages and never reuse them)."""
+    from csi_pmem.loader.batches import BatchedLoad
+    from csi_pmem.loader.gpu.loader import GpuLoader
+    from csi_pmem.loader.model import open_model
+
+    src = batched_model(tmp_path / "m", False)
+    vol = lm.staged_volume(src, tmp_path / "v", size=256 * lm.MiB)
+    loader = GpuLoader("cuda:0", node_copy=False)
+    try:
+        with open_volume(vol) as v:
+            view = open_model(v)
+            load = BatchedLoad(view, "cuda:0", budget=80 << 20, loader=loader)
+            got = {name: t.cpu() for name, t in load}
+            load.verified()
+            assert len(load.batches) > 3 and load.path == "bounce"
+            # The policy itself is kept: the next load of the mapping is its second.
+            second = "bounce" if v.registration_refused_reason else "registered"
+            assert loader._choose(view) == second
+        assert_same(got, reference(src))
+    finally:
+        loader.close()
+
+
+@cuda
 @pytest.mark.parametrize("odd", [False, True])
 def test_a_damaged_byte_in_a_chunk_two_batches_share_fails_the_load(tmp_path, odd):
     """The byte just before the second batch starts, in chunk 0: the piece of the chunk

@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from csi_pmem.loader.api import LoadHandle, damaged, start_load
+from csi_pmem.loader.api import LoadHandle, damaged, default_loader, start_load
 from csi_pmem.loader.gpu import nodecopy
 from csi_pmem.loader.gpu.batchcheck import BatchCheck, for_load
 from csi_pmem.loader.model import ModelView
@@ -245,6 +245,16 @@ class BatchedLoad:
         if self._used:
             raise RuntimeError("a BatchedLoad is iterated once")
         self._used = True
+        if not self.batches:
+            self.seconds = 0.0
+            return
+        gpu = self.loader if self.loader is not None else default_loader(self.device)
+        # The batches are one load of the model: the first one's path for all of them
+        # (GpuLoader.one_load says why).
+        with gpu.one_load(self.view):
+            yield from self._batches()
+
+    def _batches(self) -> Iterator[tuple[str, Any]]:
         if self.bound > self.budget:
             log.info("a tensor batch of %s does not fit the budget of %s beside its "
                      "neighbours: the load holds up to %s of device memory beyond the "

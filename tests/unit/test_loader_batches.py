@@ -10,6 +10,7 @@ device memory a batch holds, is measured by benchmarks/bench_vllm.py.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import numpy as np
@@ -32,17 +33,38 @@ def shm(tmp_path):
 
 class CpuStart:
     """``start_load`` of each batch, on the CPU; logs when each batch starts, counted
-    against the tensors the consumer has taken."""
+    against the tensors the consumer has taken. Also the device's shared loader, of
+    which a batched load uses ``one_load`` only: ``inside`` says whether every batch
+    started within it."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, int]] = []
         self.taken = 0
+        self.depth = 0
+        self.inside = True
 
     def __call__(self, view, device, *, names, verify, loader):
         assert device == "cuda:0" and loader is None
         names = list(names)
         self.events.append(("start", self.taken))
+        self.inside = self.inside and self.depth == 1
         return start_load(view, "cpu", names=names, verify=verify, framework="numpy")
+
+    @contextlib.contextmanager
+    def one_load(self, view):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+
+@pytest.fixture
+def cpu_start(monkeypatch):
+    start = CpuStart()
+    monkeypatch.setattr(batches_mod, "start_load", start)
+    monkeypatch.setattr(batches_mod, "default_loader", lambda device: start)
+    return start
 
 
 def counted(load, start):
@@ -81,10 +103,9 @@ def test_plan_cuts_runs_within_files_and_keeps_large_tensors_whole(shm):
         view.volume.close()
 
 
-def test_every_tensor_once_in_volume_order_with_two_batches_at_most(shm, monkeypatch):
+def test_every_tensor_once_in_volume_order_with_two_batches_at_most(shm, cpu_start):
     vol, ref = staged(shm)
-    start = CpuStart()
-    monkeypatch.setattr(batches_mod, "start_load", start)
+    start = cpu_start
     view = open_model(vol)
     try:
         load = BatchedLoad(view, "cuda:0", budget=2 * 9000)
@@ -102,6 +123,8 @@ def test_every_tensor_once_in_volume_order_with_two_batches_at_most(shm, monkeyp
         assert start.events == [("start", 0)] + [("start", n + 1) for n in firsts[:-1]]
         assert load.nbytes == sum(a.nbytes for a in ref.values())
         assert load.path == "cpu-view"
+        # Every batch started inside the loader's one_load: one load of the mapping.
+        assert start.inside and start.depth == 0
     finally:
         view.volume.close()
 
@@ -137,10 +160,9 @@ def llama_like(shm, big=60 * KiB, small=(4 * KiB, 12 * KiB)):
 
 
 @pytest.mark.parametrize("ahead", [1, 2])
-def test_big_tensors_stay_within_the_budget_counted_in_bytes(shm, monkeypatch, ahead):
+def test_big_tensors_stay_within_the_budget_counted_in_bytes(shm, cpu_start, ahead):
     vol, ref = llama_like(shm)
-    start = CpuStart()
-    monkeypatch.setattr(batches_mod, "start_load", start)
+    start = cpu_start
     view = open_model(vol)
     try:
         budget = 64 * KiB
@@ -161,11 +183,10 @@ def test_big_tensors_stay_within_the_budget_counted_in_bytes(shm, monkeypatch, a
         view.volume.close()
 
 
-def test_a_tensor_that_cannot_fit_is_loaded_beyond_the_budget_and_said(shm, monkeypatch,
+def test_a_tensor_that_cannot_fit_is_loaded_beyond_the_budget_and_said(shm, cpu_start,
                                                                       caplog):
     vol, ref = llama_like(shm, big=60 * KiB, small=(12 * KiB, 12 * KiB))
-    start = CpuStart()
-    monkeypatch.setattr(batches_mod, "start_load", start)
+    start = cpu_start
     view = open_model(vol)
     try:
         load = BatchedLoad(view, "cuda:0", budget=64 * KiB, ahead=2)
@@ -180,14 +201,13 @@ def test_a_tensor_that_cannot_fit_is_loaded_beyond_the_budget_and_said(shm, monk
         view.volume.close()
 
 
-def test_a_damaged_chunk_fails_the_load(shm, monkeypatch):
+def test_a_damaged_chunk_fails_the_load(shm, cpu_start):
     vol, _ = staged(shm)
     view = open_model(vol)
     entry = view.file(next(iter(view.headers)))
     view.volume.close()
     with open(vol, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
         m[entry.end - 1] ^= 0xFF  # the last byte of the first file's last tensor
-    monkeypatch.setattr(batches_mod, "start_load", CpuStart())
     view = open_model(vol)
     try:
         load = BatchedLoad(view, "cuda:0", budget=2 * 9000)

@@ -49,7 +49,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -204,6 +204,7 @@ class GpuLoader:
         self._populate_pool: ThreadPoolExecutor | None = None
         self._registrations: dict[int, Registration] = {}
         self._loads: dict[int, int] = {}
+        self._parts: dict[int, str | None] = {}  # mappings inside one_load: their path
         self._refused: dict[int, str] = {}  # mappings whose registration failed
         self._lock = threading.Lock()
         self.last_path: str | None = None
@@ -301,8 +302,39 @@ class GpuLoader:
             self._pipelines[numa_node] = pipe
         return pipe
 
+    @contextlib.contextmanager
+    def one_load(self, view: ModelView) -> Iterator[None]:
+        """Count the loads of ``view`` made inside as one load of its mapping, each on
+        the path the first of them took.
+
+        Why: a batched load (:mod:`csi_pmem.loader.batches`) is one load of the model
+        made as many loads of a few hundred MB. Counted one by one, its second batch was
+        already the mapping's second load, so every batch from there took the
+        registered path and paid the registration of its own pages (serial, about
+        0.022 s/GB) on its way to the device, never to be reused: on an H100 that held
+        the in-pod vLLM format at 22-31 GB/s, where the bounce buffers give a whole
+        load 44.
+        """
+        key = id(view.volume.mapping)
+        with self._lock:
+            self._parts[key] = None
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._parts.pop(key, None)
+
     def _choose(self, view: ModelView) -> str:
         key = id(view.volume.mapping)
+        pinned = self._parts.get(key)
+        if pinned is not None:
+            return pinned
+        path = self._choose_anew(view, key)
+        if key in self._parts:
+            self._parts[key] = path
+        return path
+
+    def _choose_anew(self, view: ModelView, key: int) -> str:
         loads = self._loads[key] = self._loads.get(key, 0) + 1
         path, reason = choose_path(self.mode, view.volume, loads, key in self._registrations,
                                    self.auto_register_after, self._refused.get(key))
@@ -319,6 +351,8 @@ class GpuLoader:
         log.warning("%s; loading through pinned bounce buffers instead (slower than a "
                     "registered mapping, and busy memcpy threads)", exc)
         self._refused[key] = self.registration_refused_reason = str(exc)
+        if key in self._parts:
+            self._parts[key] = BOUNCE
         reg = self._registrations.pop(key, None)
         if reg is not None:
             reg.close()  # nothing registered yet; releases its export of the mapping
