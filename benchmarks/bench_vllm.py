@@ -24,6 +24,10 @@ Methods (each one the iterator vLLM's load format uses, vLLM 0.32):
                      csi-pmem's format: csi_pmem.loader.batches.BatchedLoad through the
                      node's GPU copy service (the volume published with gpu.sock),
                      checked against the staged checksums / not
+  ours-node-ahead1, ours-node-ahead3
+                     the node path with one or three batches loading ahead (default 2)
+  ours-node-drain    a diagnostic, never exact: the node path's batches drained
+                     unverified without the copies into the parameters
   ours, ours-noverify
                      the same in-pod (CSI_PMEM_GPU_COPY=off: pinned bounce buffers)
   ours-cpu-views     the format before batches: CPU views of the mapping, each copied
@@ -53,6 +57,8 @@ memory from what the driver and the service hold beside them.
 
 Usage (on the GPU host, after ``source benchmarks/gpu_host.sh``):
   python3 benchmarks/bench_vllm.py --shape llama3-8b --rounds 3 --json vllm.json
+``--trace`` adds the loader's debug lines (each batch's start, its wait, the node
+path's allocation, export and copies, in ms) to each worker's WORK/logs/*.err.
 """
 
 from __future__ import annotations
