@@ -39,6 +39,7 @@ fails the load before anything is served, as with ``load_safetensors``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -49,14 +50,18 @@ from typing import Any
 from csi_pmem.loader.api import LoadHandle, damaged, default_loader, start_load
 from csi_pmem.loader.gpu import nodecopy
 from csi_pmem.loader.gpu.batchcheck import BatchCheck, for_load
+from csi_pmem.loader.gpu.chunks import place
 from csi_pmem.loader.model import ModelView
-from csi_pmem.sizes import GiB, describe_size
+from csi_pmem.sizes import GiB, MiB, describe_size, round_up
 from csi_pmem.weights.stformat import TensorInfo
 
 log = logging.getLogger(__name__)
 
 #: Extra device memory a batched load may hold by default (its batches share it).
 DEFAULT_BUDGET = 1 * GiB
+#: What a batch's allocation is rounded up to when it is counted: the node path's
+#: cuMemCreate granularity, and torch's caching allocator for blocks over 1 MiB.
+ALLOCATION_GRAIN = 2 * MiB
 
 
 def plan_batches(selection: dict[str, list[TensorInfo]], limit: int,
@@ -90,8 +95,10 @@ def _make_room(batches: list[list[TensorInfo]], limit: int,
     """Split the neighbours of every batch over ``limit`` so that the part touching it
     fits half the room it leaves (all of it with one neighbour): a big batch can then
     start while the one before it is read, and the one after it can load beside it.
-    Without this, the big batch would wait for its predecessor's whole run, or the
-    bound would be broken. A neighbour that is one tensor is left as it is."""
+    Where the tensor touching it does not fit the half, the part is what fits the whole
+    room, else that one tensor: only the pairs of neighbours decide the bound, and the
+    half share only buys the overlap. Without this, the big batch would wait for its
+    predecessor's whole run, or the bound would be broken."""
     out = [list(b) for b in batches]
     i = 0
     while i < len(out):
@@ -101,15 +108,16 @@ def _make_room(batches: list[list[TensorInfo]], limit: int,
             continue
         sides = (i > 0) + (i + 1 < len(out))
         share = max(budget - size, 0) // max(sides, 1)
+        room = max(budget - size, 0)
         if i + 1 < len(out):
             after = out[i + 1]
-            k = _fits(after, share)
-            if 0 < k < len(after):
+            k = _fits(after, share) or _fits(after, room) or 1
+            if k < len(after):
                 out[i + 1:i + 2] = [after[:k], after[k:]]
         if i > 0:
             before = out[i - 1]
-            k = len(before) - _fits(before[::-1], share)
-            if 0 < k < len(before):
+            k = len(before) - (_fits(before[::-1], share) or _fits(before[::-1], room) or 1)
+            if 0 < k:
                 out[i - 1:i] = [before[:k], before[k:]]
                 i += 1
         i += 1
@@ -126,7 +134,7 @@ def _fits(tensors: list[TensorInfo], room: int) -> int:
     return len(tensors)
 
 
-class _Window:
+class Window:
     """Which batches may start, given how far the consumer has read: a pure rule, so
     that :class:`BatchedLoad` can count its bound before the load and follow the same
     steps during it. Batches ``[max(current, 0), next)`` hold device memory: the one
@@ -164,9 +172,9 @@ class _Window:
         return self.fill()
 
 
-def _bound(sizes: list[int], budget: int, ahead: int) -> int:
+def peak_held(sizes: list[int], budget: int, ahead: int) -> int:
     """The most device memory the batches hold at once, following the window's rule."""
-    window = _Window(sizes, budget, ahead)
+    window = Window(sizes, budget, ahead)
     window.fill()
     for i in range(len(sizes)):
         window.need(i)
@@ -180,7 +188,8 @@ class BatchedLoad:
     ``budget``: the extra device memory in bytes, ``ahead + 1`` batches of an equal
     share; ``ahead``: batches loading while the consumer reads one (default: 2 where
     the node's copy service will serve them, else 1). ``bound``: the most the batches
-    hold at once, ``budget`` or less unless one tensor and its neighbours cannot fit.
+    hold at once, ``budget`` or less unless one tensor and its neighbours cannot fit;
+    each batch counted as its allocation, rounded up to ``grain`` bytes.
     ``names``/``predicate`` pick a subset, as in ``start_load``. After the iteration,
     :meth:`verified` waits for every batch's check; ``path`` names the copy path the
     batches took (``node``, ``bounce``, ...), ``nbytes`` and ``seconds`` what moved.
@@ -189,7 +198,7 @@ class BatchedLoad:
     def __init__(self, view: ModelView, device: str, *, budget: int = DEFAULT_BUDGET,
                  verify: bool = True, names: Iterable[str] | None = None,
                  predicate: Callable[[str], bool] | None = None, loader: Any = None,
-                 ahead: int | None = None):
+                 ahead: int | None = None, grain: int = ALLOCATION_GRAIN):
         if not device.startswith("cuda"):
             raise ValueError(f"a batched load is for a CUDA device, not {device!r}")
         if budget < 2:
@@ -208,8 +217,9 @@ class BatchedLoad:
             else None
         self._bad: list[Any] | None = None
         self.nbytes = sum(t.nbytes for b in self.batches for t in b)
-        self.sizes = [_nbytes(b) for b in self.batches]
-        self.bound = _bound(self.sizes, budget, self.ahead)
+        # Counted as allocated: the tensors as placed on the device, rounded up.
+        self.sizes = [round_up(place(b)[1], grain) for b in self.batches]
+        self.bound = peak_held(self.sizes, budget, self.ahead)
         self.paths: set[str] = set()
         self.seconds: float | None = None
         self.waited = 0.0  # seconds the consumer waited for batches
@@ -251,7 +261,8 @@ class BatchedLoad:
         gpu = self.loader if self.loader is not None else default_loader(self.device)
         # The batches are one load of the model: the first one's path for all of them
         # (GpuLoader.one_load says why).
-        with gpu.one_load(self.view):
+        one_load = getattr(gpu, "one_load", None)
+        with one_load(self.view) if one_load is not None else contextlib.nullcontext():
             yield from self._batches()
 
     def _batches(self) -> Iterator[tuple[str, Any]]:
@@ -261,7 +272,7 @@ class BatchedLoad:
                      "model", describe_size(max(self.sizes)), describe_size(self.budget),
                      describe_size(self.bound))
         started = time.monotonic()
-        window = _Window(self.sizes, self.budget, self.ahead)
+        window = Window(self.sizes, self.budget, self.ahead)
         loading: deque[LoadHandle] = deque(self._start(j) for j in window.fill())
         for i, batch in enumerate(self.batches):
             loading.extend(self._start(j) for j in window.need(i))
@@ -272,7 +283,7 @@ class BatchedLoad:
             self.waited += waited
             log.debug("batch %d in after %.2f ms waiting", i, waited * 1e3)
             self.paths.add(handle.path or "none")
-            if self.check is not None and self._on_device(i):
+            held = self.check is not None and self._on_device(i) and \
                 self.check.submit(self._files[i], batch, tensors)
             # From here only the consumer's references keep the batch's memory.
             handle.drop()
@@ -282,8 +293,8 @@ class BatchedLoad:
                 yield t.name, tensor
                 del tensor
                 if k == 0:
-                    if self.check is not None:  # the previous batch's sums ran
-                        self.check.release(keep=1)
+                    if self.check is not None:  # the previous batches' sums ran
+                        self.check.release(keep=1 if held else 0)
                     loading.extend(self._start(j) for j in window.first_taken(i))
             del tensors
         self.seconds = time.monotonic() - started

@@ -11,14 +11,18 @@ device memory a batch holds, is measured by benchmarks/bench_vllm.py.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from csi_pmem.loader import ChecksumError, open_model, start_load
 from csi_pmem.loader import batches as batches_mod
 from csi_pmem.loader.batches import BatchedLoad, plan_batches
+from csi_pmem.weights.stformat import TensorInfo
 
 import loader_models as lm
 
@@ -108,7 +112,7 @@ def test_every_tensor_once_in_volume_order_with_two_batches_at_most(shm, cpu_sta
     start = cpu_start
     view = open_model(vol)
     try:
-        load = BatchedLoad(view, "cuda:0", budget=2 * 9000)
+        load = BatchedLoad(view, "cuda:0", budget=2 * 9000, grain=1)
         assert len(load.batches) > 3
         got = {name: np.array(t) for name, t in counted(load, start)}
         load.verified()
@@ -166,7 +170,7 @@ def test_big_tensors_stay_within_the_budget_counted_in_bytes(shm, cpu_start, ahe
     view = open_model(vol)
     try:
         budget = 64 * KiB
-        load = BatchedLoad(view, "cuda:0", budget=budget, ahead=ahead)
+        load = BatchedLoad(view, "cuda:0", budget=budget, ahead=ahead, grain=1)
         names = [b[0].name for b in load.batches]
         assert names[0] == "a_embed" and len(load.batches[0]) == 1
         assert load.batches[-1][0].name == "z_head"
@@ -189,14 +193,75 @@ def test_a_tensor_that_cannot_fit_is_loaded_beyond_the_budget_and_said(shm, cpu_
     start = cpu_start
     view = open_model(vol)
     try:
-        load = BatchedLoad(view, "cuda:0", budget=64 * KiB, ahead=2)
-        assert load.bound == 72 * KiB  # the embedding and a 12 KiB neighbour
+        load = BatchedLoad(view, "cuda:0", budget=64 * KiB, ahead=2, grain=1)
+        # The embedding and its 12 KiB neighbour, as placed on the device.
+        assert load.bound == load.sizes[0] + load.sizes[1] == 72 * KiB
         with caplog.at_level("INFO", logger=batches_mod.__name__):
             got = {name: np.array(t) for name, t in counted(load, start)}
         load.verified()
         lm.assert_same(got, ref)
         assert held_at_starts(load, start) == load.bound
-        assert "holds up to 72.0 KiB" in caplog.text, caplog.text
+        assert "the load holds up to" in caplog.text, caplog.text
+    finally:
+        view.volume.close()
+
+
+def infos(sizes, files=1):
+    """Synthetic tensors of ``sizes`` bytes, back to back, spread over ``files``."""
+    out = {f"f{k}": [] for k in range(files)}
+    for i, n in enumerate(sizes):
+        f = f"f{i * files // len(sizes)}"
+        offset = sum(t.nbytes for t in out[f])
+        out[f].append(TensorInfo(f"t{i:03d}", "U8", (n,), offset, n))
+    return out
+
+
+def test_the_neighbours_of_a_big_tensor_give_up_what_it_needs():
+    # The tensor beside the 80 does not fit half its room (10): the split falls back to
+    # what fits the whole room (20), one tensor, so the pair stays in the budget.
+    cut = plan_batches(infos([5, 80, 15, 10]), 33, 100)
+    assert [[t.nbytes for t in b] for b in cut] == [[5], [80], [15], [10]]
+    assert batches_mod.peak_held([5, 80, 15, 10], 100, 2) <= 100
+    # Without the budget the runs are as the limit cuts them.
+    assert [[t.nbytes for t in b] for b in plan_batches(infos([5, 80, 15, 10]), 33)] == \
+        [[5], [80], [15, 10]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(1, 200), min_size=1, max_size=30),
+       budget=st.integers(2, 200), ahead=st.integers(1, 3), files=st.integers(1, 3))
+def test_every_cut_keeps_order_and_files_and_its_bound_is_the_worst_pair(sizes, budget,
+                                                                         ahead, files):
+    files = min(files, len(sizes))
+    selection = infos(sizes, files)
+    limit = budget // (ahead + 1)
+    cut = plan_batches(selection, limit, budget)
+    flat = [t for ts in selection.values() for t in ts]
+    assert [t.name for b in cut for t in b] == [t.name for t in flat]
+    owner = {t.name: f for f, ts in selection.items() for t in ts}
+    assert all(b and len({owner[t.name] for t in b}) == 1 for b in cut)
+    batch_sizes = [sum(t.nbytes for t in b) for b in cut]
+    bound = batches_mod.peak_held(batch_sizes, budget, ahead)
+    pairs = [a + b for a, b in itertools.pairwise(batch_sizes)]
+    # Never over the budget but where one batch, or two neighbours, are on their own.
+    assert bound <= max([budget, *batch_sizes, *pairs])
+    # Every batch starts once, in order, before it is awaited.
+    window = batches_mod.Window(batch_sizes, budget, ahead)
+    started = window.fill()
+    for i in range(len(batch_sizes)):
+        started += window.need(i)
+        assert i in started
+        started += window.first_taken(i)
+    assert started == list(range(len(batch_sizes)))
+
+
+def test_batches_are_counted_as_allocated(shm, cpu_start):
+    vol, _ = llama_like(shm)
+    view = open_model(vol)
+    try:
+        load = BatchedLoad(view, "cuda:0", budget=8 << 20)
+        assert load.sizes and all(n == 2 << 20 for n in load.sizes)  # the 2 MiB grain
+        assert load.bound <= 8 << 20
     finally:
         view.volume.close()
 
@@ -210,7 +275,7 @@ def test_a_damaged_chunk_fails_the_load(shm, cpu_start):
         m[entry.end - 1] ^= 0xFF  # the last byte of the first file's last tensor
     view = open_model(vol)
     try:
-        load = BatchedLoad(view, "cuda:0", budget=2 * 9000)
+        load = BatchedLoad(view, "cuda:0", budget=2 * 9000, grain=1)
         for _ in load:
             pass
         with pytest.raises(ChecksumError, match="do not match their staged checksums"):

@@ -66,8 +66,9 @@ class BatchCheck:
     def covers(self, fname: str) -> bool:
         return fname in self.plans
 
-    def submit(self, fname: str, batch: list[TensorInfo], tensors: dict[str, Any]) -> None:
-        """Queue the sums of ``batch`` (its ``tensors`` on the device, just landed)."""
+    def submit(self, fname: str, batch: list[TensorInfo], tensors: dict[str, Any]) -> bool:
+        """Queue the sums of ``batch`` (its ``tensors`` on the device, just landed).
+        True when the sums hold the batch's memory until :meth:`release` lets it go."""
         import torch
 
         plan = self.plans[fname]
@@ -83,7 +84,7 @@ class BatchCheck:
         size = plan.chunk_size
         ds = plan.data_start - base
         if rb <= ra:
-            return
+            return False
         try:
             if span is not None and self._stream is None:
                 self._stream, self._close = streams.driver_stream(torch.device(self.device))
@@ -125,9 +126,11 @@ class BatchCheck:
                     event = torch.cuda.Event()
                     event.record(self._stream)
                     self._alive.append((event, span))
+                    return True
         except Exception as exc:  # a device error: these chunks were not checked
             log.error("checking %s on the device failed: %s", fname, exc)
             self.error = self.error or exc
+        return False
 
     def _chunks(self, fname: str, run: list[int], span: Any, ra: int) -> None:
         size = self.plans[fname].chunk_size

@@ -204,7 +204,8 @@ class GpuLoader:
         self._populate_pool: ThreadPoolExecutor | None = None
         self._registrations: dict[int, Registration] = {}
         self._loads: dict[int, int] = {}
-        self._parts: dict[int, str | None] = {}  # mappings inside one_load: their path
+        # Mappings inside one_load: [how many one_loads are open, the path they pinned].
+        self._parts: dict[int, list[Any]] = {}
         self._refused: dict[int, str] = {}  # mappings whose registration failed
         self._lock = threading.Lock()
         self.last_path: str | None = None
@@ -272,6 +273,7 @@ class GpuLoader:
             key = id(volume.mapping)
             self._loads.pop(key, None)
             self._refused.pop(key, None)
+            self._parts.pop(key, None)
             reg = self._registrations.pop(key, None)
             if reg is not None:
                 reg.close()
@@ -317,21 +319,25 @@ class GpuLoader:
         """
         key = id(view.volume.mapping)
         with self._lock:
-            self._parts[key] = None
+            self._parts.setdefault(key, [0, None])[0] += 1
         try:
             yield
         finally:
             with self._lock:
-                self._parts.pop(key, None)
+                part = self._parts.get(key)
+                if part is not None:
+                    part[0] -= 1
+                    if part[0] <= 0:
+                        del self._parts[key]
 
     def _choose(self, view: ModelView) -> str:
         key = id(view.volume.mapping)
-        pinned = self._parts.get(key)
-        if pinned is not None:
-            return pinned
+        part = self._parts.get(key)
+        if part is not None and part[1] is not None:
+            return str(part[1])
         path = self._choose_anew(view, key)
-        if key in self._parts:
-            self._parts[key] = path
+        if part is not None:
+            part[1] = path
         return path
 
     def _choose_anew(self, view: ModelView, key: int) -> str:
@@ -352,7 +358,7 @@ class GpuLoader:
                     "registered mapping, and busy memcpy threads)", exc)
         self._refused[key] = self.registration_refused_reason = str(exc)
         if key in self._parts:
-            self._parts[key] = BOUNCE
+            self._parts[key][1] = BOUNCE
         reg = self._registrations.pop(key, None)
         if reg is not None:
             reg.close()  # nothing registered yet; releases its export of the mapping
