@@ -272,6 +272,8 @@ def test_hugetlbfs_pools_and_page_choices(tmp_path, mounter):
                                                   "mode=0700", "nosuid", "nodev", "noexec"))
     pool = backend.pools()[0]
     assert pool.page_size == GiB and pool.size == 2 * GiB  # whole pages, as the kernel cuts
+    # A volume takes whole pages, and is counted so: 100 MiB asks one 1 GiB page.
+    assert pool.align == GiB and pool.allocation(100 * MiB, 2 * MiB)[0] == GiB
     assert len(mounter.calls) == 1  # mountinfo's pagesize=1024M is today's 1G: no remount
     with pytest.raises(InvalidArgument, match="less than one 1G huge page"):
         MemoryBackend(tmp_path / "s", {0: 256 * MiB}, mounter, fs="hugetlbfs", pages="1G")

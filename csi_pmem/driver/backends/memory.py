@@ -184,7 +184,12 @@ class MemoryBackend(EmulatedBackend):
 
     # -- Backend ------------------------------------------------------------------
     def pools(self) -> list[Pool]:
-        return [dataclasses.replace(p, page_size=self.page_size, placement=PLACEMENT)
+        """The file pools, with their pages and placement. A hugetlbfs pool's volumes
+        come in whole pages (its ``align``): the kernel gives a file whole huge pages,
+        so a 100 MiB volume on 1G pages takes 1 GiB of the pool and is counted so."""
+        align = self.page_size if self.fs == HUGETLBFS else 0
+        return [dataclasses.replace(p, page_size=self.page_size, placement=PLACEMENT,
+                                    align=max(p.align, align))
                 for p in super().pools()]
 
     def _allocate(self, name: str, pool: str, size: int, tail: str) -> Path:
