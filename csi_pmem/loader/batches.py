@@ -106,9 +106,8 @@ def _make_room(batches: list[list[TensorInfo]], limit: int,
         if size <= limit:
             i += 1
             continue
-        sides = (i > 0) + (i + 1 < len(out))
-        share = max(budget - size, 0) // max(sides, 1)
         room = max(budget - size, 0)
+        share = room // max((i > 0) + (i + 1 < len(out)), 1)
         if i + 1 < len(out):
             after = out[i + 1]
             k = _fits(after, share) or _fits(after, room) or 1
