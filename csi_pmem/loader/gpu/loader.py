@@ -313,9 +313,9 @@ class GpuLoader:
         made as many loads of a few hundred MB. Counted one by one, its second batch was
         already the mapping's second load, so every batch from there took the
         registered path and paid the registration of its own pages (serial, about
-        0.022 s/GB) on its way to the device, never to be reused: on an H100 that held
-        the in-pod vLLM format at 22-31 GB/s, where the bounce buffers give a whole
-        load 44.
+        0.022 s/GB) on its way to the device, to use them once. Bounce buffers, which
+        a first load takes, pin nothing and were no slower for the batches on an H100
+        (0.54 of the link either way, docs/inference.md).
         """
         key = id(view.volume.mapping)
         with self._lock:
