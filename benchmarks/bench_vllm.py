@@ -242,6 +242,12 @@ def ours(node: bool = False, verify: bool = True, ahead: int | None = None,
 
         def end() -> str:
             load.verified()
+            from csi_pmem.loader.api import default_loader
+
+            pool = getattr(default_loader(ctx.device), "last_pool", None)
+            if node and pool is not None:  # the node path's allocations, reused or not
+                ctx.state["slots"] = {"made": pool.made, "reused": pool.reused,
+                                      "let go": pool.let_go}
             return load.path
 
         def drained() -> Iterator[tuple[str, Any]]:
@@ -451,6 +457,8 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
                      "peak device": sampler.peak - sampler.base})
     if "exported" in ctx.state:
         result["peak exported"] = ctx.state["exported"]["peak"]
+    if "slots" in ctx.state:
+        result["slots"] = ctx.state["slots"]
     if pinned is not None:
         emit(exact="n/a", mismatch=None)
         return 0

@@ -41,6 +41,7 @@ from csi_pmem.gpucopy.service import CopyService
 from csi_pmem.loader import open_model, open_volume, stage
 from csi_pmem.loader.gpu.chunks import place, runs
 from csi_pmem.loader.gpu.nodecopy import NodeCopyError, Session, request_copies, service_socket
+from csi_pmem.loader.gpu.nodepool import NodePool
 from csi_pmem.weights import layout
 
 import loader_models as lm
@@ -769,3 +770,179 @@ def test_max_clients_must_be_a_positive_number(value):
     assert proc.returncode == 2
     assert f"--max-clients: {value!r} is not a positive whole number" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# -- slots: one connection and reused allocations for a batched load ------------------
+
+
+class FakeAllocation:
+    """A memfd standing in for ``ExportableAllocation`` in :class:`NodePool`: the fake
+    copier maps it as the CUDA one imports a real one. ``live`` counts the bytes of all
+    fake allocations not freed, ``peak`` its most."""
+
+    live = peak = 0
+
+    def __init__(self, nbytes: int):
+        self.uuid = FAKE_GPU
+        self.size = -(-nbytes // (64 * 1024)) * 64 * 1024
+        self.fd, self.map = allocation(self.size)
+        self.syncs = 0
+        FakeAllocation.live += self.size
+        FakeAllocation.peak = max(FakeAllocation.peak, FakeAllocation.live)
+
+    @property
+    def address(self) -> int:
+        return 0  # never dereferenced: the tests read the mapping
+
+    def export_fd(self, index: int = 0) -> int:
+        return os.dup(self.fd)
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+    def free(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.map.close()
+            self.fd = -1
+            FakeAllocation.live -= self.size
+
+
+@pytest.fixture
+def fake_allocations():
+    FakeAllocation.live = FakeAllocation.peak = 0
+    made: list[FakeAllocation] = []
+
+    def make(n: int) -> FakeAllocation:
+        made.append(FakeAllocation(n))
+        return made[-1]
+
+    yield make, made
+    for a in made:
+        a.free()
+
+
+def fill(pool: NodePool, data: bytes, src: int, n: int) -> tuple[Any, FakeAllocation]:
+    """One batch: a slot of ``n`` bytes filled from volume offset ``src``, checked."""
+    slot = pool.acquire(n)
+    start, end = pool.submit(slot, [protocol.Copy(src, 0, n // 2),
+                                    protocol.Copy(src + n // 2, n // 2, n - n // 2)])
+    assert list(pool.progress(start, end))[-1] == 2
+    assert slot.alloc.map[:n] == data[src:src + n]
+    return slot, slot.alloc
+
+
+def test_a_pool_reuses_its_allocations_within_its_cap(work, node_factory,
+                                                      fake_allocations):
+    """Batches of like sizes reuse the slots (sent once, their fds never again); a
+    batch that needs more than the free slots give has them let go on both sides
+    first, so the allocations never hold more than the cap."""
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    assert node.prepare()
+    data = Path(vol).read_bytes()
+    make, made = fake_allocations
+    cap = 3 * MiB
+    pool = NodePool(node.sock, 0, cap, allocate=make)
+    try:
+        # The batched load's window keeps the held batches and the next within the cap.
+        sizes = [MiB] * 6 + [2 * MiB] + [MiB] * 3
+        held: list[Any] = []
+        for i, n in enumerate(sizes):
+            slot, _ = fill(pool, data, (i * 4096) % (len(data) - n), n)
+            held.append(slot)
+            if len(held) > 1:  # two batches held at once: the one read, the next
+                pool.give_back(held.pop(0))
+            assert FakeAllocation.live <= cap
+        pool.give_back(held.pop())
+        assert pool.reused == 7 and pool.made == 3 and pool.let_go == 1
+        # A reused slot waited for this process's reads of its last batch.
+        assert sum(a.syncs for a in made) == pool.reused
+        # The service let go of the forgotten slots: it holds the live ones only.
+        deadline = time.monotonic() + 5
+        while node.copier.open_targets > len(pool.slots) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert node.copier.open_targets == len(pool.slots) <= 2
+    finally:
+        pool.close()
+    assert FakeAllocation.live == 0 and FakeAllocation.peak <= cap
+    assert pool.report is not None and pool.report["requests"] == len(sizes)
+    assert counts(node.service, served=1) == {"served": 1}
+    assert node.copier.open_targets == 0 and node.copier.outstanding == 0
+
+
+def test_a_slot_still_in_use_at_the_end_is_freed_with_its_last_view(
+        work, node_factory, fake_allocations):
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    data = Path(vol).read_bytes()
+    make, _ = fake_allocations
+    pool = NodePool(node.sock, 0, 4 * MiB, allocate=make)
+    slot, _ = fill(pool, data, 0, MiB)
+    lease = pool.lease(slot, MiB)
+    pool.close()
+    assert FakeAllocation.live == MiB  # the server still reads it
+    del lease
+    assert FakeAllocation.live == 0
+
+
+def test_a_failed_copy_fails_the_pool_with_the_services_reason(
+        work, node_factory, fake_allocations):
+    vol, _ = staged(work)
+    node = node_factory(vol, copier=FakeCopier(fail_at=3))
+    data = Path(vol).read_bytes()
+    make, _ = fake_allocations
+    pool = NodePool(node.sock, 0, 4 * MiB, allocate=make)
+    try:
+        slot, _ = fill(pool, data, 0, MiB)
+        pool.give_back(slot)
+        slot = pool.acquire(MiB)
+        start, end = pool.submit(slot, [protocol.Copy(0, 0, MiB // 2),
+                                        protocol.Copy(MiB // 2, MiB // 2, MiB // 2)])
+        with pytest.raises(NodeCopyError, match="fake fault"):
+            list(pool.progress(start, end))
+        pool.give_back(slot)
+        with pytest.raises(NodeCopyError, match="fake fault"):
+            pool.acquire(MiB)  # spent: the loader goes the per-load way from here
+    finally:
+        pool.close()
+    assert FakeAllocation.live == 0
+    assert wait_spent(node.copier) == 0 and node.copier.open_targets == 0
+
+
+@pytest.mark.parametrize("case", ["unknown-slot", "other-size", "bad-slot", "forget-fd"])
+def test_bad_slot_messages_are_refused(work, node_factory, case):
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    fd, out = allocation(MiB)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(node.sock)
+    reader = protocol.Reader(sock)
+    assert reader.read()["gpus"] == [FAKE_GPU]
+    copies = (protocol.Copy(0, 0, 4096),)
+    expect = {"unknown-slot": "holds no allocation", "other-size": "holds an allocation of",
+              "bad-slot": "invalid slot", "forget-fd": "carries no fd"}[case]
+    try:
+        if case == "unknown-slot":
+            protocol.send(sock, protocol.CopyRequest(FAKE_GPU, MiB, copies, 3).to_json())
+        elif case == "other-size":
+            protocol.send(sock, protocol.CopyRequest(FAKE_GPU, MiB, copies, 1,
+                                                     True).to_json(), [fd])
+            protocol.send(sock, protocol.CopyRequest(FAKE_GPU, MiB // 2, copies,
+                                                     1).to_json())
+        elif case == "bad-slot":
+            protocol.send(sock, protocol.CopyRequest(FAKE_GPU, MiB, copies,
+                                                     protocol.MAX_SLOTS, True).to_json(),
+                          [fd])
+        else:  # an fd with a message that says it carries none
+            protocol.send(sock, {**protocol.forget(0), "fd": True}, [fd])
+        while "error" not in (reply := reader.read() or {"error": "closed"}):
+            pass
+        assert expect in reply["error"], reply
+    finally:
+        sock.close()
+        os.close(fd)
+        out.close()
+    assert counts(node.service, failed=1) == {"failed": 1}
+    assert node.copier.open_targets == 0

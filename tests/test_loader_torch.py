@@ -751,3 +751,34 @@ def test_node_copied_batches_are_checked_on_the_device(tmp_path):
     assert load.path == "node" and load.check is not None
     assert load.check.host_bytes == 0 and load.check.device_bytes == load.nbytes
     assert_same(got, reference(src))
+    # One connection for the load, and its few allocations filled again and again.
+    from csi_pmem.loader.api import default_loader
+
+    pool = default_loader("cuda:0").last_pool
+    assert pool is not None and pool.failed is None and pool.report is not None
+    assert pool.report["requests"] == len(load.batches) > 3
+    assert pool.made <= load.ahead + 1 and pool.made + pool.reused == len(load.batches)
+    assert not pool.slots  # every allocation freed once its tensors went
+
+
+@node_copy
+def test_node_copied_batches_survive_a_slot_of_every_size(tmp_path):
+    """Tensors of three sizes, a big one among them: the pool lets go of allocations
+    to make room within the cap, and every byte still lands."""
+    import numpy as np
+
+    from csi_pmem.driver.standalone import published
+    from csi_pmem.loader.api import default_loader
+
+    sizes = [8 << 20, 8 << 20, 60 << 20, 8 << 20, 3 << 20, 3 << 20, 8 << 20, 60 << 20, 1]
+    src = tmp_path / "m"
+    lm.save_numpy_model(src, {f"w{i}": (np.arange(n, dtype=np.int64) * (i + 3) % 253)
+                              .astype(np.uint8) for i, n in enumerate(sizes)})
+    vol = lm.staged_volume(src, tmp_path / "v", size=256 * lm.MiB)
+    with published(str(vol), str(tmp_path / "pub")) as directory:
+        got, load = batched_load(vol, budget=72 << 20, directory=directory)
+    assert load.path == "node"
+    assert_same(got, reference(src))
+    pool = default_loader("cuda:0").last_pool
+    assert pool is not None and pool.failed is None and pool.let_go >= 1
+    assert pool.made + pool.reused == len(load.batches)

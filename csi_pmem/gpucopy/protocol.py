@@ -15,7 +15,21 @@ Two conversations:
   sends one or more ``copy`` requests, each with one allocation's fd, then shuts down
   its sending side; the service answers
   ``{"done": k}`` lines as the first k copies (counted over all requests, in order)
-  have landed, then ``{"ok": true, ...}`` or ``{"error": ...}``.
+  have landed (always one at the end of each request), then ``{"ok": true, ...}`` or
+  ``{"error": ...}``.
+
+Slots: a request may name a ``slot`` (0 to ``MAX_SLOTS - 1``). Sent with an fd, the
+service keeps that allocation under the slot for the rest of the connection (letting go
+of one it held there); sent without, it copies into the allocation it holds there, of
+the same size. Such a request says which (``"fd": true`` when it carries one): the fds
+of a stream socket arrive with the bytes of a receive, which may hold several messages,
+so the service takes them in order, as many as each message says it carries.
+``{"op": "forget", "slot": s}`` lets go of one. Why: a batched load
+(vLLM's) makes dozens of requests of a few hundred MB into memory it frees and makes
+again; each fresh allocation cost the pod ``cuMemCreate`` and an export, and the
+service an import and a mapping, about 3-6 ms per batch on an H100 while the link
+waited. A pod reuses a slot only once its own reads of it (the server's copies into
+its parameters) have finished, and the service orders a slot's copies on one stream.
 """
 
 from __future__ import annotations
@@ -42,6 +56,8 @@ OP_PREPARE = "prepare"
 OP_RELEASE = "release"
 OP_CLIENT = "client"
 OP_COPY = "copy"
+OP_FORGET = "forget"
+MAX_SLOTS = 16
 
 
 class ProtocolError(Exception):
@@ -62,14 +78,34 @@ class CopyRequest:
     gpu: str
     size: int
     copies: tuple[Copy, ...]
+    slot: int | None = None
+    fresh: bool = False  # with a slot: this request's fd is the slot's allocation
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.copies)
 
     def to_json(self) -> dict[str, Any]:
-        return {"op": OP_COPY, "gpu": self.gpu, "size": self.size,
-                "copies": [[c.src, c.dst, c.nbytes] for c in self.copies]}
+        doc = {"op": OP_COPY, "gpu": self.gpu, "size": self.size,
+               "copies": [[c.src, c.dst, c.nbytes] for c in self.copies]}
+        if self.slot is not None:
+            doc["slot"] = self.slot
+            doc["fd"] = self.fresh
+        return doc
+
+
+def forget(slot: int) -> dict[str, Any]:
+    """The message that lets go of the allocation held under ``slot``."""
+    return {"op": OP_FORGET, "slot": slot}
+
+
+def parse_slot(doc: dict[str, Any]) -> int | None:
+    slot = doc.get("slot")
+    if slot is None:
+        return None
+    if not _uint(slot) or slot >= MAX_SLOTS:
+        raise ProtocolError(f"invalid slot {slot!r}: slots are 0 to {MAX_SLOTS - 1}")
+    return int(slot)
 
 
 def _uint(value: Any) -> bool:
@@ -104,7 +140,7 @@ def parse_copy_request(doc: Any, volume_size: int) -> CopyRequest:
             raise ProtocolError(f"copy #{i} writes [{dst}, {dst + n}), outside the "
                                 f"allocation of {size} bytes")
         out.append(Copy(src, dst, n))
-    return CopyRequest(gpu, size, tuple(out))
+    return CopyRequest(gpu, size, tuple(out), parse_slot(doc), doc.get("fd") is True)
 
 
 def encode(doc: dict[str, Any]) -> bytes:
@@ -178,8 +214,13 @@ class Reader:
         data, fds, _ = recv_with_fds(self.sock, 1 << 20, MAX_FDS)
         return data, fds
 
-    def take_fds(self) -> list[int]:
-        fds, self.fds = self.fds, []
+    def take_fds(self, count: int | None = None) -> list[int]:
+        """The fds received so far (``count``: the first ``count`` of them, which the
+        next message said it carries; fewer if fewer came)."""
+        if count is None:
+            fds, self.fds = self.fds, []
+        else:
+            fds, self.fds = self.fds[:count], self.fds[count:]
         return fds
 
     def close_fds(self) -> None:

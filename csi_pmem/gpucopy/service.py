@@ -46,6 +46,7 @@ from csi_pmem.weights.volume import Volume
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL = 0.005  # at most one "done" line per 5 ms (and always the last)
+_END = object()  # in the waiter's queue: a request's copies end here
 
 
 def _device_key(fd: int) -> tuple[int, int, int]:
@@ -328,29 +329,59 @@ class CopyService:
                  tokens: queue.SimpleQueue[Any], targets: list[Any],
                  failure: list[BaseException], accepted: float) -> tuple[int, int, float]:
         """Read the pod's requests until it shuts its side down (or a copy failed),
-        opening each allocation and queueing its copies at once. Returns the requests,
-        their bytes and when the first arrived."""
+        opening each allocation (or taking the one held in its slot) and queueing its
+        copies at once, then a request's end. Returns the requests, their bytes and
+        when the first arrived."""
         requests = total = 0
         started = accepted
+        slots: dict[int, Any] = {}
+        target: Any
         while not failure and (doc := reader.read()) is not None:
-            fds = reader.take_fds()
+            # A slot's message says how many fds it carries; others carry all there are.
+            slotted = doc.get("slot") is not None
+            fds = reader.take_fds(int(doc.get("fd") is True) if slotted else None)
             try:
-                if len(fds) != 1:
+                if doc.get("op") == protocol.OP_FORGET:
+                    if fds:
+                        raise protocol.ProtocolError("a forget message carries no fd")
+                    slot = protocol.parse_slot(doc)
+                    if slot is not None and slot in slots:
+                        self._let_go(slots.pop(slot), targets)
+                    continue
+                if len(fds) != 1 and not (slotted and doc.get("fd") is not True):
                     raise protocol.ProtocolError(
                         f"a copy request carries exactly one fd (the exported "
                         f"allocation), not {len(fds)}")
                 request = protocol.parse_copy_request(doc, state.size)
+                held = slots.get(request.slot) if request.slot is not None else None
+                if not fds and held is None:
+                    raise protocol.ProtocolError(
+                        f"the copy request names slot {request.slot}, which holds no "
+                        "allocation on this connection (send its fd first)")
+                if not fds and held is not None and held.size != request.size:
+                    raise protocol.ProtocolError(
+                        f"the copy request names slot {request.slot} with {request.size} "
+                        f"bytes, but it holds an allocation of {held.size}")
                 if not requests:
                     state.refresh()  # a model staged since the last poll
                     started = time.monotonic()
                 arrived = time.monotonic()
-                target = self.copier.open_target(fds[0], request.size, request.gpu)
-                targets.append(target)
+                if fds:
+                    target = self.copier.open_target(fds[0], request.size, request.gpu)
+                    targets.append(target)
+                    if request.slot is not None:
+                        if held is not None:
+                            self._let_go(held, targets)
+                        slots[request.slot] = target
+                else:
+                    target = held
                 opened = time.monotonic()
                 for token in self.copier.enqueue(target, state.host_copies(request)):
                     tokens.put(token)
-                log.debug("request %d: at %.1f ms, target opened in %.1f ms, %d copies "
+                tokens.put(_END)
+                log.debug("request %d: at %.1f ms, target %s in %.1f ms, %d copies "
                           "queued in %.1f ms", requests, (arrived - accepted) * 1e3,
+                          "opened" if fds else f"of slot {request.slot}",
                           (opened - arrived) * 1e3, len(request.copies),
                           (time.monotonic() - opened) * 1e3)
             finally:
@@ -359,6 +390,14 @@ class CopyService:
             requests += 1
             total += request.nbytes
         return requests, total, started
+
+    @staticmethod
+    def _let_go(target: Any, targets: list[Any]) -> None:
+        """Close a slot's allocation (waiting for its copies), so that its device
+        memory is freed once the pod frees it too."""
+        with contextlib.suppress(ValueError):
+            targets.remove(target)
+        target.close()
 
     def _client(self, state: VolumeState, sock: socket.socket) -> None:
         """One pod, if fewer than ``max_clients`` are being served; else it is told the
@@ -397,6 +436,7 @@ class CopyService:
         done = [0, 0.0]
         tokens: queue.SimpleQueue[Any] = queue.SimpleQueue()
         failure: list[BaseException] = []
+        told: list[BaseException] = []  # failures the pod was told of already
         targets: list[Any] = []
 
         def send(doc: dict[str, Any]) -> None:
@@ -404,7 +444,14 @@ class CopyService:
                 protocol.send(sock, doc)
 
         def waiter() -> None:
+            sent: float = 0  # the count last said
             while (token := tokens.get()) is not None:
+                if token is _END:  # a request's last copy: said at once, however soon
+                    if done[0] > sent and not failure:
+                        with contextlib.suppress(OSError):
+                            send({"done": done[0]})
+                        sent, done[1] = done[0], time.monotonic()
+                    continue
                 if failure:  # never waited for: its event goes back or is freed
                     self.copier.discard(token)
                     continue
@@ -412,15 +459,23 @@ class CopyService:
                     self.copier.wait(token)
                 except CopyError as exc:
                     failure.append(exc)
+                    # Told now, not after the pod's next message: a pod that keeps its
+                    # connection (a batched load) is waiting for this request's
+                    # progress. The receiving side is shut, so the reader stops too.
+                    with contextlib.suppress(OSError, protocol.ProtocolError):
+                        send({"error": str(exc), "done": done[0]})
+                        told.append(exc)
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RD)
                     continue
                 done[0] += 1
                 now = time.monotonic()
                 if done[0] == 1:
                     log.debug("first copy done at %.1f ms", (now - accepted) * 1e3)
-                if now - done[1] >= PROGRESS_INTERVAL or tokens.empty():
+                if now - done[1] >= PROGRESS_INTERVAL:
                     with contextlib.suppress(OSError):
                         send({"done": done[0]})
-                    done[1] = now
+                    sent, done[1] = done[0], now
 
         wait_thread = threading.Thread(target=waiter, name="copy-wait", daemon=True)
         accepted = time.monotonic()
@@ -466,8 +521,9 @@ class CopyService:
         except (protocol.ProtocolError, CopyError) as exc:
             self.failed += 1
             log.warning("volume %s: copy refused: %s", state.id, exc)
-            with contextlib.suppress(OSError, protocol.ProtocolError):
-                send({"error": str(exc), "done": done[0]})
+            if exc not in told:
+                with contextlib.suppress(OSError, protocol.ProtocolError):
+                    send({"error": str(exc), "done": done[0]})
         except OSError as exc:  # the pod went away or stalled
             self.failed += 1
             log.warning("volume %s: client connection failed: %s", state.id, exc)

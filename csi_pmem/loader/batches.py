@@ -261,7 +261,9 @@ class BatchedLoad:
         # The batches are one load of the model: the first one's path for all of them
         # (GpuLoader.one_load says why).
         one_load = getattr(gpu, "one_load", None)
-        with one_load(self.view) if one_load is not None else contextlib.nullcontext():
+        cap = max(self.bound, self.budget)  # what the node path's slots may hold
+        with one_load(self.view, cap=cap) if one_load is not None \
+                else contextlib.nullcontext():
             yield from self._batches()
 
     def _batches(self) -> Iterator[tuple[str, Any]]:

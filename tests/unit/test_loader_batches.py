@@ -46,6 +46,7 @@ class CpuStart:
         self.taken = 0
         self.depth = 0
         self.inside = True
+        self.caps: list[int | None] = []
 
     def __call__(self, view, device, *, names, verify, loader):
         assert device == "cuda:0" and loader is None
@@ -55,7 +56,8 @@ class CpuStart:
         return start_load(view, "cpu", names=names, verify=verify, framework="numpy")
 
     @contextlib.contextmanager
-    def one_load(self, view):
+    def one_load(self, view, cap=None):
+        self.caps.append(cap)
         self.depth += 1
         try:
             yield
@@ -129,6 +131,8 @@ def test_every_tensor_once_in_volume_order_with_two_batches_at_most(shm, cpu_sta
         assert load.path == "cpu-view"
         # Every batch started inside the loader's one_load: one load of the mapping.
         assert start.inside and start.depth == 0
+        # The node path's slots are told the bound the load keeps to.
+        assert start.caps == [max(load.bound, load.budget)]
     finally:
         view.volume.close()
 

@@ -54,7 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from csi_pmem.loader.gpu import chunks as planning
-from csi_pmem.loader.gpu import native, nodecopy
+from csi_pmem.loader.gpu import native, nodecopy, nodepool
 from csi_pmem.loader.gpu.bounce import TorchBackend, run_native
 from csi_pmem.loader.gpu.pipeline import BouncePipeline
 from csi_pmem.loader.gpu.registered import (
@@ -206,6 +206,8 @@ class GpuLoader:
         self._loads: dict[int, int] = {}
         # Mappings inside one_load: [how many one_loads are open, the path they pinned].
         self._parts: dict[int, list[Any]] = {}
+        self._pools: dict[int, nodepool.NodePool] = {}  # a one_load's node connection
+        self.last_pool: nodepool.NodePool | None = None  # the last one closed (its counts)
         self._refused: dict[int, str] = {}  # mappings whose registration failed
         self._lock = threading.Lock()
         self.last_path: str | None = None
@@ -305,9 +307,11 @@ class GpuLoader:
         return pipe
 
     @contextlib.contextmanager
-    def one_load(self, view: ModelView) -> Iterator[None]:
+    def one_load(self, view: ModelView, cap: int | None = None) -> Iterator[None]:
         """Count the loads of ``view`` made inside as one load of its mapping, each on
-        the path the first of them took.
+        the path the first of them took; with ``cap`` (bytes), node-path loads of one
+        file each share one connection to the service and reuse at most ``cap`` bytes
+        of device memory (:mod:`.nodepool` says why).
 
         Why: a batched load (:mod:`csi_pmem.loader.batches`) is one load of the model
         made as many loads of a few hundred MB. Counted one by one, its second batch was
@@ -319,16 +323,28 @@ class GpuLoader:
         """
         key = id(view.volume.mapping)
         with self._lock:
-            self._parts.setdefault(key, [0, None])[0] += 1
+            part = self._parts.setdefault(key, [0, None])
+            part[0] += 1
+            first = part[0] == 1
+        pool = None
+        if first and cap is not None and (node := self.node_socket(view)) is not None:
+            try:
+                pool = self._pools[key] = nodepool.NodePool(node, self.device.index, cap)
+            except nodecopy.NodeCopyError as exc:  # the first batch says so, and why
+                log.debug("no pooled connection: %s", exc)
         try:
             yield
         finally:
             with self._lock:
-                part = self._parts.get(key)
-                if part is not None:
-                    part[0] -= 1
-                    if part[0] <= 0:
+                open_ = self._parts.get(key)
+                if open_ is not None:
+                    open_[0] -= 1
+                    if open_[0] <= 0:
                         del self._parts[key]
+            if pool is not None:
+                self._pools.pop(key, None)
+                pool.close()
+                self.last_pool = pool
 
     def _choose(self, view: ModelView) -> str:
         key = id(view.volume.mapping)
@@ -430,7 +446,11 @@ class GpuLoader:
 
         node = self.node_socket(view)
         if node is not None:
-            remaining = nodecopy.load_node(self, view, targets, finish, node)
+            pool = self._pools.get(id(view.volume.mapping))
+            if pool is not None and pool.failed is None and len(targets) == 1:
+                remaining = nodepool.load_pooled(pool, self, targets, finish)
+            else:
+                remaining = nodecopy.load_node(self, view, targets, finish, node)
             if remaining is None:
                 self.last_path = NODE
                 return NODE

@@ -208,7 +208,7 @@ class ExportableAllocation:
         cu = self._cu = gpucuda.driver()
         self._check = check
         self._ordinal = ordinal
-        self.ptr = self._dev = None
+        self.ptr = self._dev = self._ctx = None
         self.handles: list[Any] = []
         self._mapped: list[bool] = []
         check(cu, cu.cuInit(0), "cuInit")
@@ -216,7 +216,8 @@ class ExportableAllocation:
         self.uuid = uuid_text(bytes(check(cu, cu.cuDeviceGetUuid(dev), "cuDeviceGetUuid")
                                     .bytes))
         # torch works in the primary context, so the allocation lives there too.
-        ctx = check(cu, cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        ctx = self._ctx = check(cu, cu.cuDevicePrimaryCtxRetain(dev),
+                                "cuDevicePrimaryCtxRetain")
         self._dev = dev
         check(cu, cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         prop = self._prop = cu.CUmemAllocationProp()
@@ -282,6 +283,13 @@ class ExportableAllocation:
             "cuMemExportToShareableHandle")
         return int(fd)
 
+    def synchronize(self) -> None:
+        """Wait for everything this process queued on the GPU (reads of this memory
+        among it), from any thread."""
+        cu = self._cu
+        self._check(cu, cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        self._check(cu, cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
     def free(self) -> None:
         cu = getattr(self, "_cu", None)
         if cu is None:  # cuda-python was not importable
@@ -289,6 +297,8 @@ class ExportableAllocation:
         with contextlib.suppress(Exception):
             if self.ptr is not None:
                 # Kernels still queued may read it; unmapping under them would fault.
+                if self._ctx is not None:  # the thread a last view went in may have none
+                    cu.cuCtxSetCurrent(self._ctx)
                 cu.cuCtxSynchronize()
                 for (off, n), mapped in zip(self.parts, self._mapped, strict=True):
                     if mapped:
@@ -337,7 +347,7 @@ def load_node(loader: NodeLoader, view: ModelView, targets: list[FileTarget],
     try:
         session = Session(socket_path)
     except NodeCopyError as exc:
-        _node_fallback(loader, socket_path, exc)
+        note_fallback(loader, socket_path, exc)
         return targets
     log.debug("node copy: connected in %.1f ms", (time.monotonic() - t0) * 1e3)
     # The first file's head is an allocation of its own (ExportableAllocation says
@@ -419,7 +429,7 @@ def load_node(loader: NodeLoader, view: ModelView, targets: list[FileTarget],
                   len(targets), (time.monotonic() - t0) * 1e3,
                   float(report.get("seconds", 0)) * 1e3)
     except NodeCopyError as exc:
-        _node_fallback(loader, socket_path, exc)
+        note_fallback(loader, socket_path, exc)
         return unfinished(targets)
     finally:
         t = time.monotonic()
@@ -430,7 +440,9 @@ def load_node(loader: NodeLoader, view: ModelView, targets: list[FileTarget],
     loader.node_copy_refused = None
     return None
 
-def _node_fallback(loader: NodeLoader, socket_path: str, exc: NodeCopyError) -> None:
+
+def note_fallback(loader: NodeLoader, socket_path: str, exc: NodeCopyError) -> None:
+    """Record why the service did not serve a load; warn once per socket."""
     loader.node_copy_refused = str(exc)
     level = logging.INFO if socket_path in loader.node_warned else logging.WARNING
     loader.node_warned.add(socket_path)

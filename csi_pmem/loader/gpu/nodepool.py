@@ -1,0 +1,328 @@
+"""One connection to the node's GPU copy service for a whole batched load, and device
+allocations it fills again and again (the protocol's slots).
+
+Why: a batched load (:mod:`csi_pmem.loader.batches`, vLLM's format) makes dozens of
+loads of a few hundred MB. Each one on its own (:func:`.nodecopy.load_node`) connected,
+made and exported a fresh allocation, and had the service import and map it, then
+unmapped both sides when the server let go of it: on an H100 the first copy of a batch
+landed 6-7 ms after it started, and the load ran at 0.83 of the link
+(docs/inference.md). Here the load keeps one connection and a few allocations, each
+sent once; a batch takes a free one of its size (or makes one), and its tensors are
+views that give it back when the last of them goes.
+
+The bound holds: the pool's allocations are freed (and the service told to let go)
+before a new one would take the pool past ``cap``, the bound the batched load
+computed, and a free allocation is reused only if it is at most a quarter (plus one
+grain) larger than the batch, so that a big tensor's allocation does not serve a small
+batch while the next one needs memory of its own.
+
+A slot is reused only after every read of it that this process queued (the server's
+copies into its parameters, the checksum kernels) has finished: the service's copies
+run in another process, which a stream of this one does not order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+from csi_pmem.gpucopy import protocol
+from csi_pmem.loader.gpu import chunks as planning
+from csi_pmem.loader.gpu import nodecopy
+from csi_pmem.loader.gpu.nodecopy import NodeCopyError, NodeLoader, Session, note_fallback
+from csi_pmem.loader.gpu.registered import DIRECT_CHUNK
+from csi_pmem.loader.gpu.targets import CopyPlan, FileTarget, torch_module, unfinished
+from csi_pmem.sizes import MiB, describe_size
+
+log = logging.getLogger(__name__)
+
+GRAIN = 2 * MiB  # the slack a reused allocation may have beyond a quarter
+
+
+class Allocation(Protocol):
+    """What the pool needs of device memory: :class:`.nodecopy.ExportableAllocation`,
+    or a memfd in tests (the service's fake copier writes into one)."""
+
+    uuid: str
+    size: int
+
+    @property
+    def address(self) -> int: ...
+
+    def export_fd(self, index: int = 0) -> int: ...
+
+    def synchronize(self) -> None: ...
+
+    def free(self) -> None: ...
+
+
+class Slot:
+    def __init__(self, index: int, alloc: Allocation):
+        self.index, self.alloc = index, alloc
+        self.known = False  # the service holds it (its fd was sent)
+        self.busy = True
+        self.used = False  # filled at least once: reads of it may still be queued
+
+    @property
+    def size(self) -> int:
+        return self.alloc.size
+
+
+class Lease:
+    """A batch's hold on a slot, seen by torch through the CUDA array interface: the
+    tensors made over it keep it alive, and the slot is free once the last one goes."""
+
+    def __init__(self, pool: NodePool, slot: Slot, nbytes: int):
+        self._pool, self.slot, self.nbytes = pool, slot, nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.nbytes,), "typestr": "|u1",
+                "data": (self.slot.alloc.address, False), "version": 3, "strides": None}
+
+    def __del__(self) -> None:
+        self._pool.give_back(self.slot)
+
+
+class NodePool:
+    """A connection and its slots, for the loads of one batched load (``cap``: the most
+    device memory its allocations may hold at once). Raises :class:`NodeCopyError`
+    when the service is not reachable; ``failed`` says why it stopped serving."""
+
+    def __init__(self, path: str, ordinal: int, cap: int, *,
+                 allocate: Callable[[int], Allocation] | None = None,
+                 timeout: float = 30.0):
+        self.path, self.cap, self.timeout = path, cap, timeout
+        self.allocate = allocate or (lambda n: nodecopy.ExportableAllocation(ordinal, n))
+        self.session = Session(path, timeout)
+        self.session.sock.settimeout(None)  # waiters time out; the reader waits
+        self.slots: list[Slot] = []
+        self.made = self.reused = self.let_go = 0
+        self.failed: NodeCopyError | None = None
+        self.report: dict[str, Any] | None = None
+        self._lock = threading.RLock()  # a lease's finaliser may run under it
+        self._send = threading.Lock()
+        self._progress = threading.Condition()
+        self._sent = self._done = 0
+        self._closed = self._ended = False
+        self._reader = threading.Thread(target=self._read, name="node-copy-progress",
+                                        daemon=True)
+        self._reader.start()
+
+    # -- slots ------------------------------------------------------------------------
+
+    def acquire(self, nbytes: int) -> Slot:
+        """A slot of at least ``nbytes`` for this caller alone (busy until its lease
+        goes, or :meth:`give_back`)."""
+        with self._lock:
+            self._check()
+            in_use = sum(s.size for s in self.slots if s.busy)
+            fits = [s for s in self.slots if not s.busy and nbytes <= s.size
+                    <= nbytes + nbytes // 4 + GRAIN and in_use + s.size <= self.cap]
+            if fits:
+                slot = min(fits, key=lambda s: s.size)
+                slot.busy = True
+                self.reused += 1
+            else:
+                free = sorted((s for s in self.slots if not s.busy), key=lambda s: -s.size)
+                total = sum(s.size for s in self.slots)
+                while free and (total + nbytes > self.cap
+                                or len(self.slots) >= protocol.MAX_SLOTS):
+                    gone = free.pop(0)
+                    total -= gone.size
+                    self._forget(gone)
+                if len(self.slots) >= protocol.MAX_SLOTS:
+                    raise NodeCopyError(f"all {protocol.MAX_SLOTS} slots of the GPU copy "
+                                        "service connection are in use")
+                try:
+                    alloc = self.allocate(nbytes)
+                except NodeCopyError:
+                    raise
+                except Exception as exc:  # no cuda-python, an allocation error
+                    raise NodeCopyError(
+                        f"cannot allocate exportable device memory ({exc}); install "
+                        "cuda-bindings in the pod to use the node's GPU copy service") \
+                        from exc
+                taken = {s.index for s in self.slots}
+                slot = Slot(min(set(range(protocol.MAX_SLOTS)) - taken), alloc)
+                self.slots.append(slot)
+                self.made += 1
+                return slot
+        if slot.used:
+            slot.alloc.synchronize()  # the reads of its last batch have finished
+        return slot
+
+    def give_back(self, slot: Slot) -> None:
+        """The slot's batch is gone (from a lease's finaliser: never raises)."""
+        with self._lock:
+            slot.busy = False
+            if self._closed:
+                with contextlib.suppress(ValueError):
+                    self.slots.remove(slot)
+                slot.alloc.free()
+
+    def lease(self, slot: Slot, nbytes: int) -> Lease:
+        return Lease(self, slot, nbytes)
+
+    def _forget(self, slot: Slot) -> None:
+        """Let go of a free slot on both sides (lock held)."""
+        self.slots.remove(slot)
+        self.let_go += 1
+        if slot.known:
+            with self._send, contextlib.suppress(OSError):
+                protocol.send(self.session.sock, protocol.forget(slot.index))
+        slot.alloc.free()  # waits for what this process still queued on it
+
+    # -- copies -----------------------------------------------------------------------
+
+    def submit(self, slot: Slot, copies: Sequence[protocol.Copy]) -> tuple[int, int]:
+        """Send the copies into ``slot``; the range of the connection's copy count
+        they take, for :meth:`progress`."""
+        with self._send:
+            self._check()
+            fd = None if slot.known else slot.alloc.export_fd()
+            request = protocol.CopyRequest(slot.alloc.uuid, slot.size, tuple(copies),
+                                           slot.index, fd is not None)
+            # Counted before it goes: the service may report it before send returns.
+            start = self._sent
+            self._sent += len(copies)
+            try:
+                protocol.send(self.session.sock, request.to_json(),
+                              [] if fd is None else [fd])
+            except OSError as exc:
+                self._reader.join(1.0)  # it may read why the service closed
+                self._fail(NodeCopyError(f"the GPU copy service connection failed: {exc}",
+                                         self._done))
+                raise NodeCopyError(str(self.failed), self._done) from None
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            slot.known = slot.used = True
+            return start, self._sent
+
+    def progress(self, start: int, end: int) -> Iterator[int]:
+        """Yield how many of the copies ``[start, end)`` have landed, as that grows,
+        until all have; NodeCopyError if the service fails or goes silent."""
+        seen = 0
+        while seen < end - start:
+            with self._progress:
+                def moved(seen: int = seen) -> bool:
+                    return (self._done - start > seen or self.failed is not None
+                            or self._ended)
+
+                if not self._progress.wait_for(moved, self.timeout):
+                    self._fail(NodeCopyError(
+                        f"the GPU copy service at {self.path} sent no progress in "
+                        f"{self.timeout:.0f} s", max(self._done - start, 0)))
+                if self._done - start > seen:
+                    seen = min(self._done - start, end - start)
+                elif self.failed is not None:
+                    raise NodeCopyError(str(self.failed), max(self._done - start, 0))
+                else:
+                    raise NodeCopyError(f"the GPU copy service at {self.path} ended the "
+                                        "connection early", max(self._done - start, 0))
+            yield seen
+
+    def _read(self) -> None:
+        try:
+            self.session.hello()
+            while (doc := self.session.reader.read()) is not None:
+                self.session.reader.close_fds()
+                if "error" in doc:
+                    raise NodeCopyError(f"the GPU copy service refused: {doc['error']}")
+                if doc.get("ok"):
+                    self.report = doc
+                    return
+                k = doc.get("done")
+                if isinstance(k, int) and not isinstance(k, bool):
+                    with self._progress:
+                        if self._done < k <= self._sent:
+                            self._done = k
+                            self._progress.notify_all()
+            if not self._closed:
+                raise NodeCopyError(f"the GPU copy service at {self.path} closed the "
+                                    "connection")
+        except NodeCopyError as exc:
+            self._fail(exc)
+        except (OSError, protocol.ProtocolError) as exc:
+            if not self._closed:
+                self._fail(NodeCopyError(f"the GPU copy service connection failed: {exc}"))
+        finally:
+            with self._progress:
+                self._ended = True
+                self._progress.notify_all()
+
+    def _fail(self, exc: NodeCopyError) -> None:
+        with self._progress:
+            if self.failed is None:
+                self.failed = exc
+            self._progress.notify_all()
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise NodeCopyError(str(self.failed))
+        if self._closed:
+            raise NodeCopyError("the batched load's connection is closed")
+
+    def close(self) -> None:
+        """End the connection (the service lets go of every slot) and free the free
+        slots; a busy one is freed when its last tensor goes."""
+        with self._lock:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self.session.sock.shutdown(socket.SHUT_WR)
+        self._reader.join(self.timeout)
+        with contextlib.suppress(OSError):  # a silent service: wake the reader
+            self.session.sock.shutdown(socket.SHUT_RDWR)
+        self.session.close()
+        with self._lock:
+            for slot in [s for s in self.slots if not s.busy]:
+                self.slots.remove(slot)
+                slot.alloc.free()
+        log.debug("node copy pool: %d allocation(s) made, %d reused, %d let go",
+                  self.made, self.reused, self.let_go)
+
+
+def load_pooled(pool: NodePool, loader: NodeLoader, targets: list[FileTarget],
+                finish: Callable[[FileTarget, str], None]) -> list[FileTarget] | None:
+    """Fill one file's tensors from a pool slot. Returns None when the service did,
+    else the targets (finished tensors left out) that still need copying in-pod (the
+    pool is then spent: its later loads go the per-load way)."""
+    torch = torch_module()
+    t0 = time.monotonic()
+    plan = CopyPlan(targets, lambda ps, i, seq: planning.direct_chunks(
+        ps, DIRECT_CHUNK, [], i, seq), finish)
+    try:
+        if len(targets) != 1:
+            raise NodeCopyError(f"a pooled load is one file, not {len(targets)}")
+        target = targets[0]
+        slot = pool.acquire(target.size)
+        lease = pool.lease(slot, target.size)  # gives the slot back if anything fails
+        t_slot = time.monotonic()
+        start, end = pool.submit(slot, [protocol.Copy(c.pieces[0].src, c.dst, c.nbytes)
+                                        for c in plan.chunks])
+        target.attach(torch.as_tensor(lease, device=loader.device)[:target.size])
+        del lease
+        plan.ready(0)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("node copy: %s in slot %d (%s) after %.2f ms, sent at %.2f ms",
+                      target.name, slot.index, describe_size(slot.size),
+                      (t_slot - t0) * 1e3, (time.monotonic() - t0) * 1e3)
+        reported = 0
+        for k in pool.progress(start, end):
+            for c in plan.chunks[reported:k]:
+                plan.done(c)
+            reported = k
+    except NodeCopyError as exc:
+        note_fallback(loader, pool.path, exc)
+        return unfinished(targets)
+    log.debug("node copy: %s landed at %.2f ms", targets[0].name,
+              (time.monotonic() - t0) * 1e3)
+    loader.node_copy_refused = None
+    return None
