@@ -88,7 +88,7 @@ CEILING = bf.CEILING
 STACKED = ((".qkv_proj", ".q_proj", 0), (".qkv_proj", ".k_proj", 1),
            (".qkv_proj", ".v_proj", 2), (".gate_up_proj", ".gate_proj", 0),
            (".gate_up_proj", ".up_proj", 1))
-EXTRA_KEYS = ("peak torch", "peak device", "peak exported", "path", "budget")
+EXTRA_KEYS = ("peak torch", "peak device", "peak exported", "path", "budget", "slots")
 PEAKS = ("peak torch", "peak device", "peak exported")
 
 

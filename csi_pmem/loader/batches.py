@@ -275,6 +275,8 @@ class BatchedLoad:
         started = time.monotonic()
         window = Window(self.sizes, self.budget, self.ahead)
         loading: deque[LoadHandle] = deque(self._start(j) for j in window.fill())
+        if self.check is not None:
+            self.check.prepare()  # while the first batches copy
         for i, batch in enumerate(self.batches):
             loading.extend(self._start(j) for j in window.need(i))
             handle = loading.popleft()
