@@ -65,57 +65,64 @@ ALLOCATION_GRAIN = 2 * MiB
 
 
 def plan_batches(selection: dict[str, list[TensorInfo]], limit: int,
-                 budget: int | None = None) -> list[list[TensorInfo]]:
+                 budget: int | None = None,
+                 size: Callable[[list[TensorInfo]], int] | None = None
+                 ) -> list[list[TensorInfo]]:
     """The tensors in volume order, cut into runs of at most ``limit`` bytes each (a
     larger tensor is a run alone). Runs do not cross files: a run within one file is
     one device allocation, its bytes as on the volume, which :mod:`.gpu.batchcheck` sums.
     With ``budget``, the runs beside a lone large tensor are cut further, to share the
-    room it leaves in the budget (see :func:`_make_room`)."""
+    room it leaves in the budget (see :func:`_make_room`), each run counted as ``size``
+    says (by default its tensors' bytes; a batched load counts its allocation)."""
     batches: list[list[TensorInfo]] = []
     for tensors in selection.values():
         run: list[TensorInfo] = []
-        size = 0
+        total = 0
         for t in sorted(tensors, key=lambda t: t.offset):
-            if run and size + t.nbytes > limit:
+            if run and total + t.nbytes > limit:
                 batches.append(run)
-                run, size = [], 0
+                run, total = [], 0
             run.append(t)
-            size += t.nbytes
+            total += t.nbytes
         if run:
             batches.append(run)
-    return batches if budget is None else _make_room(batches, limit, budget)
+    if budget is None:
+        return batches
+    return _make_room(batches, limit, budget, size or _nbytes)
 
 
 def _nbytes(batch: list[TensorInfo]) -> int:
     return sum(t.nbytes for t in batch)
 
 
-def _make_room(batches: list[list[TensorInfo]], limit: int,
-               budget: int) -> list[list[TensorInfo]]:
+def _make_room(batches: list[list[TensorInfo]], limit: int, budget: int,
+               size: Callable[[list[TensorInfo]], int]) -> list[list[TensorInfo]]:
     """Split the neighbours of every batch over ``limit`` so that the part touching it
     fits half the room it leaves (all of it with one neighbour): a big batch can then
     start while the one before it is read, and the one after it can load beside it.
     Where the tensor touching it does not fit the half, the part is what fits the whole
     room, else that one tensor: only the pairs of neighbours decide the bound, and the
     half share only buys the overlap. Without this, the big batch would wait for its
-    predecessor's whole run, or the bound would be broken."""
+    predecessor's whole run, or the bound would be broken. Batches are counted as
+    ``size`` says, as the window counts them."""
     out = [list(b) for b in batches]
     i = 0
     while i < len(out):
-        size = _nbytes(out[i])
-        if size <= limit:
+        big = size(out[i])
+        if _nbytes(out[i]) <= limit:
             i += 1
             continue
-        room = max(budget - size, 0)
+        room = max(budget - big, 0)
         share = room // max((i > 0) + (i + 1 < len(out)), 1)
         if i + 1 < len(out):
             after = out[i + 1]
-            k = _fits(after, share) or _fits(after, room) or 1
+            k = _fits(after, share, size) or _fits(after, room, size) or 1
             if k < len(after):
                 out[i + 1:i + 2] = [after[:k], after[k:]]
         if i > 0:
             before = out[i - 1]
-            k = len(before) - (_fits(before[::-1], share) or _fits(before[::-1], room) or 1)
+            k = len(before) - (_fits(before, share, size, True)
+                               or _fits(before, room, size, True) or 1)
             if 0 < k:
                 out[i - 1:i] = [before[:k], before[k:]]
                 i += 1
@@ -123,14 +130,18 @@ def _make_room(batches: list[list[TensorInfo]], limit: int,
     return out
 
 
-def _fits(tensors: list[TensorInfo], room: int) -> int:
-    """How many of ``tensors``, from the first, fit ``room`` bytes."""
-    total = 0
-    for k, t in enumerate(tensors):
-        total += t.nbytes
-        if total > room:
-            return k
-    return len(tensors)
+def _fits(tensors: list[TensorInfo], room: int, size: Callable[[list[TensorInfo]], int],
+          from_end: bool = False) -> int:
+    """How many of ``tensors``, from the first (or the last), fit ``room`` as counted
+    (a longer run never counts less: found by bisection, as a run may hold thousands)."""
+    lo, hi = 0, len(tensors)  # lo fit; the answer is in [lo, hi]
+    while lo < hi:
+        k = (lo + hi + 1) // 2
+        if size(tensors[len(tensors) - k:] if from_end else tensors[:k]) <= room:
+            lo = k
+        else:
+            hi = k - 1
+    return lo
 
 
 class Window:
@@ -209,7 +220,8 @@ class BatchedLoad:
             raise ValueError(f"ahead must be 1 or more batches, not {self.ahead}")
         self.limit = budget // (self.ahead + 1)
         selection = view.select(names, predicate)
-        self.batches = plan_batches(selection, self.limit, budget)
+        self.batches = plan_batches(selection, self.limit, budget,
+                                    lambda b: round_up(place(b)[1], grain))
         owner = {t.name: f for f, ts in selection.items() for t in ts}
         self._files = [owner[b[0].name] for b in self.batches]
         self.check: BatchCheck | None = for_load(view, selection, device) if verify \
