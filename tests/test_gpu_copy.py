@@ -402,7 +402,8 @@ def test_a_copy_that_fails_on_the_device_spends_every_token(work, node_factory):
     assert wait_spent(copier) == 0
     for c in copies[1:]:  # the failed copy and those behind it wrote nothing
         assert not any(out[c.dst:c.dst + c.nbytes])
-    assert node.service.failed == 1
+    # Told at once, before the service counts it.
+    assert counts(node.service, failed=1) == {"failed": 1}
 
 
 def test_a_pod_that_goes_away_mid_copy_leaks_no_token(work, node_factory):
@@ -901,16 +902,19 @@ def test_a_failed_copy_fails_the_pool_with_the_services_reason(
                                         protocol.Copy(MiB // 2, MiB // 2, MiB // 2)])
         with pytest.raises(NodeCopyError, match="fake fault"):
             list(pool.progress(start, end))
-        pool.give_back(slot)
+        pool.give_back(slot)  # freed at once: a failed pool keeps nothing
         with pytest.raises(NodeCopyError, match="fake fault"):
             pool.acquire(MiB)  # spent: the loader goes the per-load way from here
+        pool.shed()
+        assert FakeAllocation.live == 0  # before the load ends, not after
     finally:
         pool.close()
     assert FakeAllocation.live == 0
     assert wait_spent(node.copier) == 0 and node.copier.open_targets == 0
 
 
-@pytest.mark.parametrize("case", ["unknown-slot", "other-size", "bad-slot", "forget-fd"])
+@pytest.mark.parametrize("case", ["unknown-slot", "other-size", "bad-slot", "forget-fd",
+                                  "forget-unheld"])
 def test_bad_slot_messages_are_refused(work, node_factory, case):
     vol, _ = staged(work)
     node = node_factory(vol)
@@ -922,7 +926,8 @@ def test_bad_slot_messages_are_refused(work, node_factory, case):
     assert reader.read()["gpus"] == [FAKE_GPU]
     copies = (protocol.Copy(0, 0, 4096),)
     expect = {"unknown-slot": "holds no allocation", "other-size": "holds an allocation of",
-              "bad-slot": "invalid slot", "forget-fd": "carries no fd"}[case]
+              "bad-slot": "invalid slot", "forget-fd": "carries no fd",
+              "forget-unheld": "holds no allocation"}[case]
     try:
         if case == "unknown-slot":
             protocol.send(sock, protocol.CopyRequest(FAKE_GPU, MiB, copies, 3).to_json())
@@ -935,8 +940,10 @@ def test_bad_slot_messages_are_refused(work, node_factory, case):
             protocol.send(sock, protocol.CopyRequest(FAKE_GPU, MiB, copies,
                                                      protocol.MAX_SLOTS, True).to_json(),
                           [fd])
-        else:  # an fd with a message that says it carries none
+        elif case == "forget-fd":  # an fd with a message that says it carries none
             protocol.send(sock, {**protocol.forget(0), "fd": True}, [fd])
+        else:  # a free keepalive, were it accepted
+            protocol.send(sock, protocol.forget(2))
         while "error" not in (reply := reader.read() or {"error": "closed"}):
             pass
         assert expect in reply["error"], reply
@@ -946,3 +953,59 @@ def test_bad_slot_messages_are_refused(work, node_factory, case):
         out.close()
     assert counts(node.service, failed=1) == {"failed": 1}
     assert node.copier.open_targets == 0
+
+
+def test_a_slot_let_go_with_copies_queued_waits_for_them(work, node_factory):
+    """A forget (or a new fd for a held slot) right behind the slot's copies: the
+    service lets go of the allocation after they landed, never under them."""
+    vol, _ = staged(work)
+    node = node_factory(vol, copier=FakeCopier(delay=0.05))
+    data = Path(vol).read_bytes()
+    fd, out = allocation(MiB)
+    fd2, out2 = allocation(MiB)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(node.sock)
+    reader = protocol.Reader(sock)
+    copies = (protocol.Copy(0, 0, MiB // 2), protocol.Copy(MiB // 2, MiB // 2, MiB // 2))
+    try:
+        protocol.send(sock, protocol.CopyRequest(FAKE_GPU, MiB, copies, 0, True).to_json(),
+                      [fd])
+        protocol.send(sock, protocol.CopyRequest(FAKE_GPU, MiB, copies, 0, True).to_json(),
+                      [fd2])  # slot 0 now holds the second allocation
+        protocol.send(sock, protocol.forget(0))
+        sock.shutdown(socket.SHUT_WR)
+        while "ok" not in (reply := reader.read() or {"ok": False}):
+            assert "error" not in reply, reply
+        assert reply["ok"] and reply["requests"] == 2
+    finally:
+        sock.close()
+    assert out[:] == data[:MiB] and out2[:] == data[:MiB]
+    assert node.copier.open_targets == 0 and node.copier.outstanding == 0
+    os.close(fd)
+    os.close(fd2)
+
+
+def test_a_batch_waits_for_a_slot_rather_than_pass_the_cap(work, node_factory,
+                                                          fake_allocations):
+    """Reused slots larger than their batches: the next batch waits for one to come
+    back instead of making a new one beyond the cap."""
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    data = Path(vol).read_bytes()
+    make, _ = fake_allocations
+    pool = NodePool(node.sock, 0, 3 * MiB, allocate=make)
+    try:
+        slots = [fill(pool, data, 0, MiB)[0] for _ in range(3)]
+        for s in slots:
+            pool.give_back(s)
+        small = [fill(pool, data, 0, 256 * 1024)[0] for _ in range(3)]
+        assert pool.made == 3 and FakeAllocation.live == 3 * MiB
+        timer = threading.Timer(0.01, pool.give_back, [small[0]])
+        timer.start()
+        slot, _ = fill(pool, data, 0, MiB)
+        timer.join()
+        assert pool.made == 3 and FakeAllocation.peak == 3 * MiB
+        pool.give_back(slot)
+    finally:
+        pool.close()

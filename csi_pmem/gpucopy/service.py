@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL = 0.005  # at most one "done" line per 5 ms (and always the last)
 _END = object()  # in the waiter's queue: a request's copies end here
+_CLOSE = object()  # (_CLOSE, target): let go of a slot's target once its copies landed
+SLOT_IDLE_TIMEOUT = 300.0  # seconds a pod holding slots may be silent between requests
 
 
 def _device_key(fd: int) -> tuple[int, int, int]:
@@ -345,8 +347,10 @@ class CopyService:
                     if fds:
                         raise protocol.ProtocolError("a forget message carries no fd")
                     slot = protocol.parse_slot(doc)
-                    if slot is not None and slot in slots:
-                        self._let_go(slots.pop(slot), targets)
+                    if slot is None or slot not in slots:
+                        raise protocol.ProtocolError(
+                            f"forget names slot {slot}, which holds no allocation")
+                    tokens.put((_CLOSE, slots.pop(slot)))
                     continue
                 if len(fds) != 1 and not (slotted and doc.get("fd") is not True):
                     raise protocol.ProtocolError(
@@ -370,9 +374,13 @@ class CopyService:
                     target = self.copier.open_target(fds[0], request.size, request.gpu)
                     targets.append(target)
                     if request.slot is not None:
-                        if held is not None:
-                            self._let_go(held, targets)
+                        if held is not None:  # after the copies queued into it
+                            tokens.put((_CLOSE, held))
                         slots[request.slot] = target
+                        # A pod that keeps its allocations is between batches while
+                        # its server works: it may be silent longer than one message.
+                        reader.sock.settimeout(max(self.client_timeout,
+                                                   SLOT_IDLE_TIMEOUT))
                 else:
                     target = held
                 opened = time.monotonic()
@@ -390,14 +398,6 @@ class CopyService:
             requests += 1
             total += request.nbytes
         return requests, total, started
-
-    @staticmethod
-    def _let_go(target: Any, targets: list[Any]) -> None:
-        """Close a slot's allocation (waiting for its copies), so that its device
-        memory is freed once the pod frees it too."""
-        with contextlib.suppress(ValueError):
-            targets.remove(target)
-        target.close()
 
     def _client(self, state: VolumeState, sock: socket.socket) -> None:
         """One pod, if fewer than ``max_clients`` are being served; else it is told the
@@ -446,6 +446,12 @@ class CopyService:
         def waiter() -> None:
             sent: float = 0  # the count last said
             while (token := tokens.get()) is not None:
+                if isinstance(token, tuple) and token and token[0] is _CLOSE:
+                    # Every copy queued into it before was waited for or discarded.
+                    with contextlib.suppress(ValueError):
+                        targets.remove(token[1])
+                    token[1].close()
+                    continue
                 if token is _END:  # a request's last copy: said at once, however soon
                     if done[0] > sent and not failure:
                         with contextlib.suppress(OSError):
@@ -506,9 +512,11 @@ class CopyService:
                 except BaseException:
                     # Copies may still run: the one the waiter waits for, and those
                     # discarded behind a failure. Settle them while the volume is in
-                    # use, so that a release cannot unmap what they read, and before
-                    # the pod hears of the failure, so that nothing lands in its memory
-                    # after that.
+                    # use, so that a release cannot unmap what they read. A failed copy
+                    # was told at once (the waiter says why), so a copy on another
+                    # stream may land after the pod heard: into its allocation, still
+                    # held here (its pages are not freed until both sides let go), and
+                    # the bytes the pod's in-pod fallback writes there too.
                     _settle(wait_thread, tokens, failure, targets)
                     raise
             seconds = time.monotonic() - started

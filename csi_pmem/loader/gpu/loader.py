@@ -326,23 +326,24 @@ class GpuLoader:
             part = self._parts.setdefault(key, [0, None])
             part[0] += 1
             first = part[0] == 1
-        pool = None
         if first and cap is not None and (node := self.node_socket(view)) is not None:
             try:
-                pool = self._pools[key] = nodepool.NodePool(node, self.device.index, cap)
+                self._pools[key] = nodepool.NodePool(node, self.device.index, cap)
             except nodecopy.NodeCopyError as exc:  # the first batch says so, and why
                 log.debug("no pooled connection: %s", exc)
         try:
             yield
         finally:
+            pool = None
             with self._lock:
                 open_ = self._parts.get(key)
                 if open_ is not None:
                     open_[0] -= 1
                     if open_[0] <= 0:
                         del self._parts[key]
+                        # Closed by the last one_load out: another load may share it.
+                        pool = self._pools.pop(key, None)
             if pool is not None:
-                self._pools.pop(key, None)
                 pool.close()
                 self.last_pool = pool
 

@@ -26,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,6 +45,7 @@ from csi_pmem.sizes import MiB, describe_size
 log = logging.getLogger(__name__)
 
 GRAIN = 2 * MiB  # the slack a reused allocation may have beyond a quarter
+CAP_WAIT = 0.05  # seconds a batch waits for a slot to come back rather than pass the cap
 
 
 class Allocation(Protocol):
@@ -101,12 +104,19 @@ class NodePool:
         self.path, self.cap, self.timeout = path, cap, timeout
         self.allocate = allocate or (lambda n: nodecopy.ExportableAllocation(ordinal, n))
         self.session = Session(path, timeout)
-        self.session.sock.settimeout(None)  # waiters time out; the reader waits
+        # Waiters time out, the reader waits; a send that blocks (a service that stopped
+        # reading) fails after ``timeout``, as a non-blocking socket would not.
+        self.session.sock.settimeout(None)
+        self.session.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                     struct.pack("ll", int(timeout),
+                                                 int(timeout % 1 * 1e6)))
         self.slots: list[Slot] = []
         self.made = self.reused = self.let_go = 0
         self.failed: NodeCopyError | None = None
         self.report: dict[str, Any] | None = None
-        self._lock = threading.RLock()  # a lease's finaliser may run under it
+        self._lock = threading.RLock()
+        self._returned: queue.SimpleQueue[Slot] = queue.SimpleQueue()  # given back
+        self._reserved: set[int] = set()  # slot indices being made
         self._send = threading.Lock()
         self._progress = threading.Condition()
         self._sent = self._done = 0
@@ -119,61 +129,124 @@ class NodePool:
 
     def acquire(self, nbytes: int) -> Slot:
         """A slot of at least ``nbytes`` for this caller alone (busy until its lease
-        goes, or :meth:`give_back`)."""
-        with self._lock:
-            self._check()
-            in_use = sum(s.size for s in self.slots if s.busy)
-            fits = [s for s in self.slots if not s.busy and nbytes <= s.size
-                    <= nbytes + nbytes // 4 + GRAIN and in_use + s.size <= self.cap]
-            if fits:
-                slot = min(fits, key=lambda s: s.size)
-                slot.busy = True
-                self.reused += 1
-            else:
-                free = sorted((s for s in self.slots if not s.busy), key=lambda s: -s.size)
-                total = sum(s.size for s in self.slots)
-                while free and (total + nbytes > self.cap
-                                or len(self.slots) >= protocol.MAX_SLOTS):
-                    gone = free.pop(0)
-                    total -= gone.size
-                    self._forget(gone)
-                if len(self.slots) >= protocol.MAX_SLOTS:
-                    raise NodeCopyError(f"all {protocol.MAX_SLOTS} slots of the GPU copy "
-                                        "service connection are in use")
-                try:
-                    alloc = self.allocate(nbytes)
-                except NodeCopyError:
-                    raise
-                except Exception as exc:  # no cuda-python, an allocation error
-                    raise NodeCopyError(
-                        f"cannot allocate exportable device memory ({exc}); install "
-                        "cuda-bindings in the pod to use the node's GPU copy service") \
-                        from exc
-                taken = {s.index for s in self.slots}
-                slot = Slot(min(set(range(protocol.MAX_SLOTS)) - taken), alloc)
-                self.slots.append(slot)
-                self.made += 1
-                return slot
+        goes, or :meth:`give_back`). Where the busy slots and a new one would pass the
+        cap (a reused slot may be larger than its batch), it waits up to
+        :data:`CAP_WAIT` seconds for one to come back, then goes over and says so."""
+        deadline = None
+        while True:
+            gone: list[Slot] = []
+            with self._lock:
+                self._check()
+                self._drain()
+                in_use = sum(s.size for s in self.slots if s.busy)
+                fits = [s for s in self.slots if not s.busy and nbytes <= s.size
+                        <= nbytes + nbytes // 4 + GRAIN and in_use + s.size <= self.cap]
+                if fits:
+                    slot = min(fits, key=lambda s: s.size)
+                    slot.busy = True
+                    self.reused += 1
+                    break
+                over = in_use + nbytes > self.cap
+                if over and (deadline is None or time.monotonic() < deadline):
+                    deadline = deadline or time.monotonic() + CAP_WAIT
+                else:
+                    if over:
+                        log.info("the batches hold %s of device memory beyond the %s "
+                                 "they were counted at", describe_size(in_use + nbytes
+                                                                       - self.cap),
+                                 describe_size(self.cap))
+                    free = sorted((s for s in self.slots if not s.busy),
+                                  key=lambda s: -s.size)
+                    total = sum(s.size for s in self.slots)
+                    while free and (total + nbytes > self.cap
+                                    or len(self.slots) - len(gone) >= protocol.MAX_SLOTS):
+                        gone.append(free.pop(0))
+                        total -= gone[-1].size
+                    for g in gone:
+                        self.slots.remove(g)
+                    self.let_go += len(gone)
+                    # Taken now, so that a racing acquire cannot take it too.
+                    index = min(set(range(protocol.MAX_SLOTS + 1))
+                                - {s.index for s in self.slots} - self._reserved)
+                    if index >= protocol.MAX_SLOTS:
+                        raise NodeCopyError(f"all {protocol.MAX_SLOTS} slots of the GPU "
+                                            "copy service connection are in use")
+                    self._reserved.add(index)
+            if deadline is not None and not gone and over and time.monotonic() < deadline:
+                with contextlib.suppress(queue.Empty):  # a slot given back wakes this
+                    self._returned.put(self._returned.get(
+                        timeout=max(deadline - time.monotonic(), 0)))
+                continue
+            try:
+                for g in gone:  # both sides let go before the new one is made
+                    self._forget(g)
+                return self._make(index, nbytes)
+            finally:
+                with self._lock:
+                    self._reserved.discard(index)
         if slot.used:
-            slot.alloc.synchronize()  # the reads of its last batch have finished
+            try:
+                slot.alloc.synchronize()  # the reads of its last batch have finished
+            except Exception as exc:
+                self.give_back(slot)
+                raise NodeCopyError(f"cannot reuse a device allocation ({exc})") from exc
+        return slot
+
+    def _make(self, index: int, nbytes: int) -> Slot:
+        try:
+            alloc = self.allocate(nbytes)
+        except NodeCopyError:
+            raise
+        except Exception as exc:  # no cuda-python, an allocation error
+            raise NodeCopyError(
+                f"cannot allocate exportable device memory ({exc}); install "
+                "cuda-bindings in the pod to use the node's GPU copy service") from exc
+        slot = Slot(index, alloc)
+        with self._lock:
+            self.slots.append(slot)
+            self.made += 1
         return slot
 
     def give_back(self, slot: Slot) -> None:
-        """The slot's batch is gone (from a lease's finaliser: never raises)."""
-        with self._lock:
+        """The slot's batch is gone. From a lease's finaliser, which may run in any
+        thread at any allocation (a cycle collected): it never raises and never waits
+        for the pool's lock, which a thread sending to the service may hold."""
+        if self._closed or self.failed is not None:
             slot.busy = False
-            if self._closed:
-                with contextlib.suppress(ValueError):
-                    self.slots.remove(slot)
+            with contextlib.suppress(Exception):
                 slot.alloc.free()
+            return
+        self._returned.put(slot)
+        if self._closed:  # closed meanwhile: close() may have drained already
+            self.shed()
+
+    def _drain(self) -> None:
+        """Mark the slots given back free (lock held)."""
+        while True:
+            try:
+                self._returned.get_nowait().busy = False
+            except queue.Empty:
+                return
+
+    def shed(self) -> None:
+        """Free every free slot (the pool is spent or closed)."""
+        with self._lock:
+            self._drain()
+            for slot in [s for s in self.slots if not s.busy]:
+                self.slots.remove(slot)
+                with contextlib.suppress(Exception):
+                    slot.alloc.free()
+
+    def spend(self, exc: NodeCopyError) -> None:
+        """Stop serving: the loads after this one go the per-load way."""
+        self._fail(exc)
+        self.shed()
 
     def lease(self, slot: Slot, nbytes: int) -> Lease:
         return Lease(self, slot, nbytes)
 
     def _forget(self, slot: Slot) -> None:
-        """Let go of a free slot on both sides (lock held)."""
-        self.slots.remove(slot)
-        self.let_go += 1
+        """Let go of a slot on both sides (taken out of the pool, not under its lock)."""
         if slot.known:
             with self._send, contextlib.suppress(OSError):
                 protocol.send(self.session.sock, protocol.forget(slot.index))
@@ -186,7 +259,11 @@ class NodePool:
         they take, for :meth:`progress`."""
         with self._send:
             self._check()
-            fd = None if slot.known else slot.alloc.export_fd()
+            try:
+                fd = None if slot.known else slot.alloc.export_fd()
+            except Exception as exc:  # out of fds, a driver error
+                raise NodeCopyError(f"cannot export device memory for the node's GPU "
+                                    f"copy service ({exc})") from exc
             request = protocol.CopyRequest(slot.alloc.uuid, slot.size, tuple(copies),
                                            slot.index, fd is not None)
             # Counted before it goes: the service may report it before send returns.
@@ -260,9 +337,13 @@ class NodePool:
 
     def _fail(self, exc: NodeCopyError) -> None:
         with self._progress:
-            if self.failed is None:
+            first = self.failed is None
+            if first:
                 self.failed = exc
             self._progress.notify_all()
+        if first and not self._closed:  # nothing more goes either way
+            with contextlib.suppress(OSError):
+                self.session.sock.shutdown(socket.SHUT_RDWR)
 
     def _check(self) -> None:
         if self.failed is not None:
@@ -273,18 +354,14 @@ class NodePool:
     def close(self) -> None:
         """End the connection (the service lets go of every slot) and free the free
         slots; a busy one is freed when its last tensor goes."""
-        with self._lock:
-            self._closed = True
-            with contextlib.suppress(OSError):
-                self.session.sock.shutdown(socket.SHUT_WR)
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.session.sock.shutdown(socket.SHUT_WR)
         self._reader.join(self.timeout)
         with contextlib.suppress(OSError):  # a silent service: wake the reader
             self.session.sock.shutdown(socket.SHUT_RDWR)
         self.session.close()
-        with self._lock:
-            for slot in [s for s in self.slots if not s.busy]:
-                self.slots.remove(slot)
-                slot.alloc.free()
+        self.shed()
         log.debug("node copy pool: %d allocation(s) made, %d reused, %d let go",
                   self.made, self.reused, self.let_go)
 
@@ -320,6 +397,7 @@ def load_pooled(pool: NodePool, loader: NodeLoader, targets: list[FileTarget],
                 plan.done(c)
             reported = k
     except NodeCopyError as exc:
+        pool.spend(exc)
         note_fallback(loader, pool.path, exc)
         return unfinished(targets)
     log.debug("node copy: %s landed at %.2f ms", targets[0].name,
