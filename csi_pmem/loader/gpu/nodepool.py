@@ -14,7 +14,9 @@ The bound holds: the pool's allocations are freed (and the service told to let g
 before a new one would take the pool past ``cap``, the bound the batched load
 computed, and a free allocation is reused only if it is at most a quarter (plus one
 grain) larger than the batch, so that a big tensor's allocation does not serve a small
-batch while the next one needs memory of its own.
+batch while the next one needs memory of its own. Where the busy allocations (some
+larger than their batches) and a new one would still pass the cap, the batch waits
+briefly for one to come back, and says so if it must go over.
 
 A slot is reused only after every read of it that this process queued (the server's
 copies into its parameters, the checksum kernels) has finished: the service's copies
