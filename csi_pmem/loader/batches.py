@@ -220,8 +220,10 @@ class BatchedLoad:
             raise ValueError(f"ahead must be 1 or more batches, not {self.ahead}")
         self.limit = budget // (self.ahead + 1)
         selection = view.select(names, predicate)
-        self.batches = plan_batches(selection, self.limit, budget,
-                                    lambda b: round_up(place(b)[1], grain))
+        def allocated(batch: list[TensorInfo]) -> int:  # as the device holds it
+            return round_up(place(batch)[1], grain)
+
+        self.batches = plan_batches(selection, self.limit, budget, allocated)
         owner = {t.name: f for f, ts in selection.items() for t in ts}
         self._files = [owner[b[0].name] for b in self.batches]
         self.check: BatchCheck | None = for_load(view, selection, device) if verify \
@@ -229,7 +231,7 @@ class BatchedLoad:
         self._bad: list[Any] | None = None
         self.nbytes = sum(t.nbytes for b in self.batches for t in b)
         # Counted as allocated: the tensors as placed on the device, rounded up.
-        self.sizes = [round_up(place(b)[1], grain) for b in self.batches]
+        self.sizes = [allocated(b) for b in self.batches]
         self.bound = peak_held(self.sizes, budget, self.ahead)
         self.paths: set[str] = set()
         self.seconds: float | None = None

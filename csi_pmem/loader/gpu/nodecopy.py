@@ -187,6 +187,12 @@ def request_copies(path: str, fd: int, gpu: str, size: int,
         session.close()
 
 
+def allocation_failed(exc: Exception) -> NodeCopyError:
+    """What a pod is told when it cannot make an exportable allocation."""
+    return NodeCopyError(f"cannot allocate exportable device memory ({exc}); install "
+                         "cuda-bindings in the pod to use the node's GPU copy service")
+
+
 class ExportableAllocation:
     """Device memory a pod can hand to the service: one reserved address range, backed
     by one or two physical allocations (``cuMemCreate`` with a POSIX fd handle type),
@@ -369,10 +375,7 @@ def load_node(loader: NodeLoader, view: ModelView, targets: list[FileTarget],
                 alloc = ExportableAllocation(
                     loader.device.index, target.size, head if i == 0 else None)
             except Exception as exc:  # no cuda-python, an allocation error
-                raise NodeCopyError(
-                    f"cannot allocate exportable device memory ({exc}); install "
-                    "cuda-bindings in the pod to use the node's GPU copy service") \
-                    from exc
+                raise allocation_failed(exc) from exc
             if session.gpus is not None and alloc.uuid not in session.gpus:
                 raise NodeCopyError(
                     f"the node's GPU copy service cannot reach {alloc.uuid} (it sees "

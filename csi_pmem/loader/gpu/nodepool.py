@@ -137,6 +137,7 @@ class NodePool:
         deadline = None
         while True:
             gone: list[Slot] = []
+            wait = False
             with self._lock:
                 self._check()
                 self._drain()
@@ -151,6 +152,7 @@ class NodePool:
                 over = in_use + nbytes > self.cap
                 if over and (deadline is None or time.monotonic() < deadline):
                     deadline = deadline or time.monotonic() + CAP_WAIT
+                    wait = True
                 else:
                     if over:
                         log.info("the batches hold %s of device memory beyond the %s "
@@ -174,7 +176,8 @@ class NodePool:
                         raise NodeCopyError(f"all {protocol.MAX_SLOTS} slots of the GPU "
                                             "copy service connection are in use")
                     self._reserved.add(index)
-            if deadline is not None and not gone and over and time.monotonic() < deadline:
+            if wait:
+                assert deadline is not None
                 with contextlib.suppress(queue.Empty):  # a slot given back wakes this
                     self._returned.put(self._returned.get(
                         timeout=max(deadline - time.monotonic(), 0)))
@@ -200,9 +203,7 @@ class NodePool:
         except NodeCopyError:
             raise
         except Exception as exc:  # no cuda-python, an allocation error
-            raise NodeCopyError(
-                f"cannot allocate exportable device memory ({exc}); install "
-                "cuda-bindings in the pod to use the node's GPU copy service") from exc
+            raise nodecopy.allocation_failed(exc) from exc
         slot = Slot(index, alloc)
         with self._lock:
             self.slots.append(slot)
