@@ -1009,3 +1009,51 @@ def test_a_batch_waits_for_a_slot_rather_than_pass_the_cap(work, node_factory,
         pool.give_back(slot)
     finally:
         pool.close()
+
+
+def test_batches_that_start_together_count_each_others_new_slots(work, node_factory,
+                                                                 fake_allocations):
+    """Two batches started at once each make a slot, outside the pool's lock: the one
+    made second counts the first as held, so the free slot that would take the pool
+    past its cap is let go (the H100 run held 1258 MiB against 1 GiB before this)."""
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    make, _ = fake_allocations
+    making = threading.Event()
+
+    def slow(n: int) -> FakeAllocation:
+        making.set()
+        time.sleep(0.2)  # the first batch is still making its slot
+        return make(n)
+
+    pool = NodePool(node.sock, 0, 3 * MiB, allocate=slow)
+    try:
+        small = pool.acquire(MiB)
+        pool.give_back(small)  # free, and too small for the batches below
+        nbytes = MiB + MiB // 4
+        got: list[Any] = []
+        first = threading.Thread(target=lambda: got.append(pool.acquire(nbytes)))
+        first.start()
+        assert making.wait(5)
+        got.append(pool.acquire(nbytes))
+        first.join(5)
+        assert len(got) == 2 and pool.made == 3 and pool.let_go == 1
+        assert FakeAllocation.peak <= 3 * MiB, FakeAllocation.peak
+        for slot in got:
+            pool.give_back(slot)
+    finally:
+        pool.close()
+    assert FakeAllocation.live == 0 and not pool.slots
+
+
+def test_a_slot_given_back_after_close_leaves_the_pool(work, node_factory,
+                                                       fake_allocations):
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    make, _ = fake_allocations
+    pool = NodePool(node.sock, 0, 4 * MiB, allocate=make)
+    slot = pool.acquire(MiB)
+    pool.close()
+    assert pool.slots == [slot] and FakeAllocation.live == MiB
+    pool.give_back(slot)
+    assert not pool.slots and FakeAllocation.live == 0

@@ -118,7 +118,7 @@ class NodePool:
         self.report: dict[str, Any] | None = None
         self._lock = threading.RLock()
         self._returned: queue.SimpleQueue[Slot] = queue.SimpleQueue()  # given back
-        self._reserved: set[int] = set()  # slot indices being made
+        self._reserved: dict[int, int] = {}  # slots being made: index -> bytes
         self._send = threading.Lock()
         self._progress = threading.Condition()
         self._sent = self._done = 0
@@ -141,7 +141,10 @@ class NodePool:
             with self._lock:
                 self._check()
                 self._drain()
-                in_use = sum(s.size for s in self.slots if s.busy)
+                # A slot another batch is making counts as held: it is not in
+                # ``slots`` yet, and two batches started together make theirs at once.
+                making = sum(self._reserved.values())
+                in_use = sum(s.size for s in self.slots if s.busy) + making
                 fits = [s for s in self.slots if not s.busy and nbytes <= s.size
                         <= nbytes + nbytes // 4 + GRAIN and in_use + s.size <= self.cap]
                 if fits:
@@ -161,9 +164,10 @@ class NodePool:
                                  describe_size(self.cap))
                     free = sorted((s for s in self.slots if not s.busy),
                                   key=lambda s: -s.size)
-                    total = sum(s.size for s in self.slots)
+                    total = sum(s.size for s in self.slots) + making
                     while free and (total + nbytes > self.cap
-                                    or len(self.slots) - len(gone) >= protocol.MAX_SLOTS):
+                                    or len(self.slots) + len(self._reserved) - len(gone)
+                                    >= protocol.MAX_SLOTS):
                         gone.append(free.pop(0))
                         total -= gone[-1].size
                     for g in gone:
@@ -171,11 +175,11 @@ class NodePool:
                     self.let_go += len(gone)
                     # Taken now, so that a racing acquire cannot take it too.
                     index = min(set(range(protocol.MAX_SLOTS + 1))
-                                - {s.index for s in self.slots} - self._reserved)
+                                - {s.index for s in self.slots} - set(self._reserved))
                     if index >= protocol.MAX_SLOTS:
                         raise NodeCopyError(f"all {protocol.MAX_SLOTS} slots of the GPU "
                                             "copy service connection are in use")
-                    self._reserved.add(index)
+                    self._reserved[index] = nbytes
             if wait:
                 assert deadline is not None
                 with contextlib.suppress(queue.Empty):  # a slot given back wakes this
@@ -188,7 +192,7 @@ class NodePool:
                 return self._make(index, nbytes)
             finally:
                 with self._lock:
-                    self._reserved.discard(index)
+                    self._reserved.pop(index, None)
         if slot.used:
             try:
                 slot.alloc.synchronize()  # the reads of its last batch have finished
@@ -216,6 +220,8 @@ class NodePool:
         for the pool's lock, which a thread sending to the service may hold."""
         if self._closed or self.failed is not None:
             slot.busy = False
+            with contextlib.suppress(ValueError):  # shed() may have taken it out
+                self.slots.remove(slot)  # one call under the GIL: no lock needed
             with contextlib.suppress(Exception):
                 slot.alloc.free()
             return
@@ -235,8 +241,9 @@ class NodePool:
         """Free every free slot (the pool is spent or closed)."""
         with self._lock:
             self._drain()
-            for slot in [s for s in self.slots if not s.busy]:
-                self.slots.remove(slot)
+            for slot in [s for s in list(self.slots) if not s.busy]:
+                with contextlib.suppress(ValueError):  # give_back() took it out
+                    self.slots.remove(slot)
                 with contextlib.suppress(Exception):
                     slot.alloc.free()
 
