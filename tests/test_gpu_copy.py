@@ -1057,3 +1057,40 @@ def test_a_slot_given_back_after_close_leaves_the_pool(work, node_factory,
     assert pool.slots == [slot] and FakeAllocation.live == MiB
     pool.give_back(slot)
     assert not pool.slots and FakeAllocation.live == 0
+
+
+def test_a_new_slot_is_made_after_the_service_let_go_of_the_old(
+        work, node_factory, fake_allocations, monkeypatch):
+    """Device memory is freed once both sides let go: a pod that made its next
+    allocation as soon as it sent the forget held both for a while (306 MiB more than
+    the bound on an H100). The service says when it let go; the pod waits for that."""
+    from csi_pmem.gpucopy.copier import FakeTarget
+
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    data = Path(vol).read_bytes()
+    make, _ = fake_allocations
+    close = FakeTarget.close
+
+    def slow_close(self: Any) -> None:
+        time.sleep(0.05)  # the service's unmap takes a while
+        close(self)
+
+    monkeypatch.setattr(FakeTarget, "close", slow_close)
+    held_by_service: list[tuple[int, int]] = []
+    pool: NodePool
+
+    def counted(n: int) -> FakeAllocation:
+        held_by_service.append((node.copier.open_targets,
+                                sum(s.known for s in pool.slots)))
+        return make(n)
+
+    pool = NodePool(node.sock, 0, 3 * MiB, allocate=counted)
+    try:
+        for n in (2 * MiB, 2 * MiB + MiB // 2, 3 * MiB):  # each too big for the last
+            slot, _ = fill(pool, data, 0, n)
+            pool.give_back(slot)
+        assert pool.let_go >= 2
+        assert all(service <= pod for service, pod in held_by_service), held_by_service
+    finally:
+        pool.close()

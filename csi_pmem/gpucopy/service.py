@@ -47,7 +47,9 @@ log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL = 0.005  # at most one "done" line per 5 ms (and always the last)
 _END = object()  # in the waiter's queue: a request's copies end here
-_CLOSE = object()  # (_CLOSE, target): let go of a slot's target once its copies landed
+# (_CLOSE, target, slot): let go of a slot's target once its copies landed, and say so
+# where the pod forgot the slot (``slot`` not None)
+_CLOSE = object()
 SLOT_IDLE_TIMEOUT = 300.0  # seconds a pod holding slots may be silent between requests
 
 
@@ -350,7 +352,7 @@ class CopyService:
                     if slot is None or slot not in slots:
                         raise protocol.ProtocolError(
                             f"forget names slot {slot}, which holds no allocation")
-                    tokens.put((_CLOSE, slots.pop(slot)))
+                    tokens.put((_CLOSE, slots.pop(slot), slot))
                     continue
                 if len(fds) != 1 and not (slotted and doc.get("fd") is not True):
                     raise protocol.ProtocolError(
@@ -375,7 +377,7 @@ class CopyService:
                     targets.append(target)
                     if request.slot is not None:
                         if held is not None:  # after the copies queued into it
-                            tokens.put((_CLOSE, held))
+                            tokens.put((_CLOSE, held, None))
                         slots[request.slot] = target
                         # A pod that keeps its allocations is between batches while
                         # its server works: it may be silent longer than one message.
@@ -451,6 +453,12 @@ class CopyService:
                     with contextlib.suppress(ValueError):
                         targets.remove(token[1])
                     token[1].close()
+                    if token[2] is not None:
+                        # The pod waits for this before it allocates anew: the memory
+                        # is freed only once both sides have let go (a 306 MiB slot
+                        # let go of and a new one made at once held both on an H100).
+                        with contextlib.suppress(OSError):
+                            send({"forgot": token[2]})
                     continue
                 if token is _END:  # a request's last copy: said at once, however soon
                     if done[0] > sent and not failure:

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 GRAIN = 2 * MiB  # the slack a reused allocation may have beyond a quarter
 CAP_WAIT = 0.05  # seconds a batch waits for a slot to come back rather than pass the cap
+FORGET_WAIT = 2.0  # seconds a batch waits for the service to let go of a slot
 
 
 class Allocation(Protocol):
@@ -122,6 +123,7 @@ class NodePool:
         self._send = threading.Lock()
         self._progress = threading.Condition()
         self._sent = self._done = 0
+        self._forgotten: set[int] = set()  # slots the service said it let go of
         self._closed = self._ended = False
         self._reader = threading.Thread(target=self._read, name="node-copy-progress",
                                         daemon=True)
@@ -256,11 +258,25 @@ class NodePool:
         return Lease(self, slot, nbytes)
 
     def _forget(self, slot: Slot) -> None:
-        """Let go of a slot on both sides (taken out of the pool, not under its lock)."""
+        """Let go of a slot on both sides (taken out of the pool, not under its lock),
+        and wait until the service has: the memory is freed only once both sides let
+        go, and the caller allocates next."""
+        sent = False
         if slot.known:
+            with self._progress:
+                self._forgotten.discard(slot.index)
             with self._send, contextlib.suppress(OSError):
                 protocol.send(self.session.sock, protocol.forget(slot.index))
+                sent = True
         slot.alloc.free()  # waits for what this process still queued on it
+        if sent:
+            with self._progress:
+                if not self._progress.wait_for(
+                        lambda: slot.index in self._forgotten or self.failed is not None
+                        or self._ended, FORGET_WAIT):
+                    log.info("the GPU copy service did not let go of a slot of %s "
+                             "within %.0f s; allocating beside it",
+                             describe_size(slot.size), FORGET_WAIT)
 
     # -- copies -----------------------------------------------------------------------
 
@@ -326,6 +342,12 @@ class NodePool:
                 if doc.get("ok"):
                     self.report = doc
                     return
+                gone = doc.get("forgot")
+                if isinstance(gone, int) and not isinstance(gone, bool):
+                    with self._progress:
+                        self._forgotten.add(gone)
+                        self._progress.notify_all()
+                    continue
                 k = doc.get("done")
                 if isinstance(k, int) and not isinstance(k, bool):
                     with self._progress:
