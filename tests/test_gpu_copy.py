@@ -1094,3 +1094,39 @@ def test_a_new_slot_is_made_after_the_service_let_go_of_the_old(
         assert all(service <= pod for service, pod in held_by_service), held_by_service
     finally:
         pool.close()
+
+
+def test_a_slot_is_made_for_the_largest_batch_that_would_reuse_it(
+        work, node_factory, fake_allocations):
+    """Told the load's batch sizes, a slot made for a batch is as large as the largest
+    near size (within the reuse margin, and the cap): the larger batch after it reuses
+    it instead of having it let go and made again."""
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    data = Path(vol).read_bytes()
+    make, made = fake_allocations
+    big = MiB + MiB // 4
+    far = 4 * MiB  # too far above to share a slot with a 1 MiB batch
+    pool = NodePool(node.sock, 0, 3 * MiB, sizes=[MiB, big, far], allocate=make)
+    try:
+        for n in (MiB, big, MiB):
+            slot, _ = fill(pool, data, 0, n)
+            pool.give_back(slot)
+        assert pool.made == 1 and pool.reused == 2 and pool.let_go == 0
+        assert [a.size for a in made] == [big]
+        # Where the larger size would pass the cap beside the busy slots, the batch's own.
+        busy = [fill(pool, data, 0, MiB)[0]]
+        tight = NodePool(node.sock, 0, big + MiB, sizes=[MiB, big], allocate=make)
+        try:
+            held = fill(tight, data, 0, MiB)[0]
+            second = fill(tight, data, 0, MiB)[0]
+            assert held.size == big and second.size == MiB
+            for s in (held, second):
+                tight.give_back(s)
+        finally:
+            tight.close()
+        for s in busy:
+            pool.give_back(s)
+    finally:
+        pool.close()
+    assert FakeAllocation.live == 0

@@ -276,7 +276,7 @@ class BatchedLoad:
         # (GpuLoader.one_load says why).
         one_load = getattr(gpu, "one_load", None)
         cap = max(self.bound, self.budget)  # what the node path's slots may hold
-        with one_load(self.view, cap=cap) if one_load is not None \
+        with one_load(self.view, cap=cap, sizes=self.sizes) if one_load is not None \
                 else contextlib.nullcontext():
             yield from self._batches()
 

@@ -56,8 +56,9 @@ class CpuStart:
         return start_load(view, "cpu", names=names, verify=verify, framework="numpy")
 
     @contextlib.contextmanager
-    def one_load(self, view, cap=None):
+    def one_load(self, view, cap=None, sizes=()):
         self.caps.append(cap)
+        self.sizes = list(sizes)
         self.depth += 1
         try:
             yield
@@ -132,7 +133,7 @@ def test_every_tensor_once_in_volume_order_with_two_batches_at_most(shm, cpu_sta
         # Every batch started inside the loader's one_load: one load of the mapping.
         assert start.inside and start.depth == 0
         # The node path's slots are told the bound the load keeps to.
-        assert start.caps == [max(load.bound, load.budget)]
+        assert start.caps == [max(load.bound, load.budget)] and start.sizes == load.sizes
     finally:
         view.volume.close()
 

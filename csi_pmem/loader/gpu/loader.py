@@ -49,7 +49,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -307,11 +307,13 @@ class GpuLoader:
         return pipe
 
     @contextlib.contextmanager
-    def one_load(self, view: ModelView, cap: int | None = None) -> Iterator[None]:
+    def one_load(self, view: ModelView, cap: int | None = None,
+                 sizes: Sequence[int] = ()) -> Iterator[None]:
         """Count the loads of ``view`` made inside as one load of its mapping, each on
         the path the first of them took; with ``cap`` (bytes), node-path loads of one
         file each share one connection to the service and reuse at most ``cap`` bytes
-        of device memory (:mod:`.nodepool` says why).
+        of device memory (:mod:`.nodepool` says why); ``sizes``: the allocations they
+        will ask for, so that a slot is made once for batches of near sizes.
 
         Why: a batched load (:mod:`csi_pmem.loader.batches`) is one load of the model
         made as many loads of a few hundred MB. Counted one by one, its second batch was
@@ -328,7 +330,8 @@ class GpuLoader:
             first = part[0] == 1
         if first and cap is not None and (node := self.node_socket(view)) is not None:
             try:
-                self._pools[key] = nodepool.NodePool(node, self.device.index, cap)
+                self._pools[key] = nodepool.NodePool(node, self.device.index, cap,
+                                                     sizes=sizes)
             except nodecopy.NodeCopyError as exc:  # the first batch says so, and why
                 log.debug("no pooled connection: %s", exc)
         try:
