@@ -1130,3 +1130,50 @@ def test_a_slot_is_made_for_the_largest_batch_that_would_reuse_it(
     finally:
         pool.close()
     assert FakeAllocation.live == 0
+
+
+def test_no_batch_allocates_while_the_service_holds_a_slot_let_go_of(
+        work, node_factory, fake_allocations, monkeypatch):
+    """One batch lets go of a slot and waits for the service to say it did; a second
+    batch that needs a new slot meanwhile waits too, instead of allocating beside
+    memory the service still holds (a 1 GiB bound peaked at 1350 MiB on an H100)."""
+    from csi_pmem.gpucopy.copier import FakeTarget
+
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    data = Path(vol).read_bytes()
+    make, _ = fake_allocations
+    close = FakeTarget.close
+    closing = threading.Event()
+
+    def slow_close(self: Any) -> None:
+        closing.set()
+        time.sleep(0.1)
+        close(self)
+
+    monkeypatch.setattr(FakeTarget, "close", slow_close)
+    held_by_service: list[tuple[int, int]] = []
+    pool: NodePool
+
+    def counted(n: int) -> FakeAllocation:
+        held_by_service.append((node.copier.open_targets,
+                                sum(s.known for s in pool.slots)))
+        return make(n)
+
+    pool = NodePool(node.sock, 0, 3 * MiB, allocate=counted)
+    try:
+        slot, _ = fill(pool, data, 0, 2 * MiB)
+        pool.give_back(slot)
+        got: list[Any] = []
+        first = threading.Thread(target=lambda: got.append(pool.acquire(2 * MiB + MiB // 2)))
+        first.start()
+        assert closing.wait(5)  # the service is letting go of the 2 MiB slot
+        got.append(pool.acquire(MiB // 4))
+        first.join(5)
+        assert len(got) == 2 and pool.let_go == 1
+        assert all(service <= pod for service, pod in held_by_service), held_by_service
+        for s in got:
+            pool.give_back(s)
+    finally:
+        pool.close()
+    assert FakeAllocation.live == 0

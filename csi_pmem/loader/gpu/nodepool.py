@@ -123,6 +123,7 @@ class NodePool:
         self._returned: queue.SimpleQueue[Slot] = queue.SimpleQueue()  # given back
         self._reserved: dict[int, int] = {}  # slots being made: index -> bytes
         self._send = threading.Lock()
+        self._making = threading.Lock()  # one slot made (and others let go) at a time
         self._progress = threading.Condition()
         self._sent = self._done = 0
         self._forgotten: set[int] = set()  # slots the service said it let go of
@@ -138,66 +139,28 @@ class NodePool:
         goes, or :meth:`give_back`). Where the busy slots and a new one would pass the
         cap (a reused slot may be larger than its batch), it waits up to
         :data:`CAP_WAIT` seconds for one to come back, then goes over and says so."""
-        deadline = None
+        deadline: float | None = None
         while True:
-            gone: list[Slot] = []
             wait = False
             with self._lock:
                 self._check()
                 self._drain()
-                # A slot another batch is making counts as held: it is not in
-                # ``slots`` yet, and two batches started together make theirs at once.
-                making = sum(self._reserved.values())
-                in_use = sum(s.size for s in self.slots if s.busy) + making
-                fits = [s for s in self.slots if not s.busy and nbytes <= s.size
-                        <= nbytes + nbytes // 4 + GRAIN and in_use + s.size <= self.cap]
-                if fits:
-                    slot = min(fits, key=lambda s: s.size)
-                    slot.busy = True
-                    self.reused += 1
-                    break
-                want = self._size_for(nbytes, in_use)
-                over = in_use + want > self.cap
-                if over and (deadline is None or time.monotonic() < deadline):
-                    deadline = deadline or time.monotonic() + CAP_WAIT
-                    wait = True
-                else:
-                    if over:
-                        log.info("the batches hold %s of device memory beyond the %s "
-                                 "they were counted at", describe_size(in_use + want
-                                                                       - self.cap),
-                                 describe_size(self.cap))
-                    free = sorted((s for s in self.slots if not s.busy),
-                                  key=lambda s: -s.size)
-                    total = sum(s.size for s in self.slots) + making
-                    while free and (total + want > self.cap
-                                    or len(self.slots) + len(self._reserved) - len(gone)
-                                    >= protocol.MAX_SLOTS):
-                        gone.append(free.pop(0))
-                        total -= gone[-1].size
-                    for g in gone:
-                        self.slots.remove(g)
-                    self.let_go += len(gone)
-                    # Taken now, so that a racing acquire cannot take it too.
-                    index = min(set(range(protocol.MAX_SLOTS + 1))
-                                - {s.index for s in self.slots} - set(self._reserved))
-                    if index >= protocol.MAX_SLOTS:
-                        raise NodeCopyError(f"all {protocol.MAX_SLOTS} slots of the GPU "
-                                            "copy service connection are in use")
-                    self._reserved[index] = want
+                slot = self._reusable(nbytes)
+                if slot is None:
+                    in_use = self._in_use()
+                    over = in_use + self._size_for(nbytes, in_use) > self.cap
+                    if over and (deadline is None or time.monotonic() < deadline):
+                        deadline = deadline or time.monotonic() + CAP_WAIT
+                        wait = True
             if wait:
                 assert deadline is not None
                 with contextlib.suppress(queue.Empty):  # a slot given back wakes this
                     self._returned.put(self._returned.get(
                         timeout=max(deadline - time.monotonic(), 0)))
                 continue
-            try:
-                for g in gone:  # both sides let go before the new one is made
-                    self._forget(g)
-                return self._make(index, want)
-            finally:
-                with self._lock:
-                    self._reserved.pop(index, None)
+            if slot is None:
+                slot = self._new(nbytes)  # or one given back meanwhile
+            break
         if slot.used:
             try:
                 slot.alloc.synchronize()  # the reads of its last batch have finished
@@ -205,6 +168,69 @@ class NodePool:
                 self.give_back(slot)
                 raise NodeCopyError(f"cannot reuse a device allocation ({exc})") from exc
         return slot
+
+    def _in_use(self) -> int:
+        """The busy slots' bytes, and the one being made (lock held)."""
+        return sum(s.size for s in self.slots if s.busy) + sum(self._reserved.values())
+
+    def _reusable(self, nbytes: int) -> Slot | None:
+        """Take the smallest free slot that fits ``nbytes`` within the reuse margin and
+        the cap (lock held)."""
+        in_use = self._in_use()
+        fits = [s for s in self.slots if not s.busy and nbytes <= s.size
+                <= nbytes + nbytes // 4 + GRAIN and in_use + s.size <= self.cap]
+        if not fits:
+            return None
+        slot = min(fits, key=lambda s: s.size)
+        slot.busy = True
+        self.reused += 1
+        return slot
+
+    def _new(self, nbytes: int) -> Slot:
+        """Make a slot, one caller at a time: free slots that would take the pool past
+        its cap are let go on both sides first, and a second batch must not allocate
+        while the memory of a slot the first let go of is still held by the service
+        (a 1 GiB bound peaked at 1350 MiB on an H100 when two batches made their slots
+        at once). A slot that came back meanwhile is reused instead."""
+        with self._making:
+            gone: list[Slot] = []
+            with self._lock:
+                self._check()
+                self._drain()
+                slot = self._reusable(nbytes)
+                if slot is not None:
+                    return slot
+                in_use = self._in_use()
+                want = self._size_for(nbytes, in_use)
+                if in_use + want > self.cap:
+                    log.info("the batches hold %s of device memory beyond the %s they "
+                             "were counted at", describe_size(in_use + want - self.cap),
+                             describe_size(self.cap))
+                free = sorted((s for s in self.slots if not s.busy), key=lambda s: -s.size)
+                total = sum(s.size for s in self.slots) + sum(self._reserved.values())
+                while free and (total + want > self.cap
+                                or len(self.slots) + len(self._reserved) - len(gone)
+                                >= protocol.MAX_SLOTS):
+                    gone.append(free.pop(0))
+                    total -= gone[-1].size
+                for g in gone:
+                    self.slots.remove(g)
+                self.let_go += len(gone)
+                index = min(set(range(protocol.MAX_SLOTS + 1))
+                            - {s.index for s in self.slots} - set(self._reserved))
+                if index >= protocol.MAX_SLOTS:
+                    raise NodeCopyError(f"all {protocol.MAX_SLOTS} slots of the GPU copy "
+                                        "service connection are in use")
+                # Counted as held while it is made: a batch reusing a slot meanwhile
+                # must see it.
+                self._reserved[index] = want
+            try:
+                for g in gone:  # both sides let go before the new one is made
+                    self._forget(g)
+                return self._make(index, want)
+            finally:
+                with self._lock:
+                    self._reserved.pop(index, None)
 
     def _size_for(self, nbytes: int, in_use: int) -> int:
         """The size of a new slot for a batch of ``nbytes``: the largest of the load's
