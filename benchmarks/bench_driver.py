@@ -80,6 +80,7 @@ class DriverProcess:
         self.log_level = log_level
         self.proc: subprocess.Popen | None = None
         self.channel: grpc.Channel | None = None
+        self.contexts: dict[str, dict[str, str]] = {}  # volume id -> its volume_context
 
     socket = property(lambda self: self.base / "csi.sock")
     kubelet = property(lambda self: self.base / "kubelet")
@@ -164,9 +165,11 @@ class DriverProcess:
         return csi_pb2_grpc.NodeStub(self.channel)
 
     def create(self, name: str, size: int, params: dict) -> str:
-        return self.controller.CreateVolume(csi_pb2.CreateVolumeRequest(
+        volume = self.controller.CreateVolume(csi_pb2.CreateVolumeRequest(
             name=name, capacity_range=csi_pb2.CapacityRange(required_bytes=size),
-            volume_capabilities=[MOUNT_CAP], parameters=params), timeout=120).volume.volume_id
+            volume_capabilities=[MOUNT_CAP], parameters=params), timeout=120).volume
+        self.contexts[volume.volume_id] = dict(volume.volume_context)
+        return volume.volume_id
 
     def delete(self, vid: str) -> None:
         self.controller.DeleteVolume(csi_pb2.DeleteVolumeRequest(volume_id=vid), timeout=120)

@@ -107,6 +107,49 @@ class Reserve:
         self.path.write_text(str(self.before))
 
 
+def mapping_facts(path: str) -> dict:
+    """What a process that maps the volume's file gets: the kernel's page size for the
+    mapping and its pages per NUMA node (``/proc/self/smaps``, ``numa_maps``), each
+    page read once. Why: the pool's page size is a promise the pod's mapping must
+    keep (tmpfs ``huge=always`` falls back to 4 KiB pages where it cannot get 2 MiB)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        for off in range(0, size, 4096):
+            buf[off]  # the read maps the page
+        facts: dict = {"bytes": size}
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.endswith(" " + path) or line.endswith(" " + os.path.realpath(path)):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if hi - lo != size:
+                    continue
+                for field in lines[i + 1:i + 30]:
+                    key, _, value = field.partition(":")
+                    # tmpfs's 2 MiB pages show as ShmemPmdMapped (KernelPageSize
+                    # stays 4 kB there); hugetlbfs's in KernelPageSize.
+                    if key in ("KernelPageSize", "Rss", "ShmemPmdMapped", "FilePmdMapped"):
+                        facts[key + " kB"] = int(value.split()[0])
+                    if key == "VmFlags":
+                        break
+                for entry in Path("/proc/self/numa_maps").read_text().splitlines():
+                    if entry.startswith(f"{lo:x} "):
+                        fields = dict(w.split("=", 1) for w in entry.split()[1:]
+                                      if "=" in w)
+                        page = int(fields.get("kernelpagesize_kB", 4))  # N<k> counts these
+                        facts["numa_maps MiB"] = {
+                            k: int(v) * page // 1024 for k, v in fields.items()
+                            if k.startswith("N") and k[1:].isdigit()}
+                break
+        return facts
+    finally:
+        buf.close()
+
+
 def numa_layout() -> str:
     if shutil.which("numactl") is None:
         nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
@@ -123,6 +166,7 @@ def run(args: argparse.Namespace) -> dict:
     pool = largest + max(256 * 2**20, largest // 32)
     rows: dict[str, dict[str, list[float]]] = {s: {"create": [], "memset": []}
                                                for s, _ in sizes}
+    mapped: dict[str, dict] = {}
     base = Path(tempfile.mkdtemp(prefix="csi-pmem-bench-mem-"))
     drv = MemoryDriver(base, pool, args.fs, args.pages)
     reserve = Reserve(args.pages, pool) if args.reserve else None
@@ -138,6 +182,8 @@ def run(args: argparse.Namespace) -> dict:
                 vid = drv.create(f"bench-{rnd}-{label}", size,
                                  {"numaNode": "0", "eraseOnDelete": "false"})
                 rows[label]["create"].append(time.perf_counter() - t0)
+                if rnd == 0:  # not timed
+                    mapped[label] = mapping_facts(drv.contexts[vid]["device"])
                 drv.delete(vid)
                 if reserve is not None:
                     reserve.give_back()
@@ -159,7 +205,7 @@ def run(args: argparse.Namespace) -> dict:
                       "memset median s": statistics.median(m), "memset best s": min(m),
                       "create / memset (medians)": statistics.median(c) / statistics.median(m),
                       "create GB/s (median)": size / 1e9 / statistics.median(c),
-                      "rounds": {"create": c, "memset": m}})
+                      "mapping": mapped.get(label), "rounds": {"create": c, "memset": m}})
     return {"fs": args.fs, "pages": args.pages, "rounds": args.rounds,
             "reserve": bool(args.reserve),
             "host": {"cpus": os.cpu_count(), "kernel": os.uname().release,
@@ -175,6 +221,12 @@ def render(doc: dict) -> str:
         lines.append(f"| {r['size']} | {r['create median s']:.3f} | {r['create best s']:.3f} "
                      f"| {r['memset median s']:.3f} | {r['memset best s']:.3f} | "
                      f"{r['create / memset (medians)']:.2f} | {r['create GB/s (median)']:.2f} |")
+    for r in doc["table"]:
+        m = r.get("mapping") or {}
+        lines.append(f"a {r['size']} volume mapped: KernelPageSize {m.get('KernelPageSize kB')}"
+                     f" kB, 2 MiB-mapped (tmpfs) {m.get('ShmemPmdMapped kB')} kB of "
+                     f"{m.get('Rss kB')} kB resident, pages per node (MiB) "
+                     f"{m.get('numa_maps MiB')}")
     return "\n".join(lines)
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from csi_pmem.sizes import MiB
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench_driver.py"
 
@@ -144,7 +146,12 @@ def test_bench_memory_pools_reports_create_and_memset_and_cleans_up(tmp_path):
     for r in doc["table"]:
         assert len(r["rounds"]["create"]) == len(r["rounds"]["memset"]) == 2
         assert all(v > 0 for v in r["rounds"]["create"] + r["rounds"]["memset"])
-    assert "| 64Mi |" in proc.stdout
+        # A mapping of the volume: every page resident, all on node 0 (the pool's).
+        m = r["mapping"]
+        assert m["Rss kB"] * 1024 == m["bytes"] >= r["bytes"], m
+        assert sum(m["numa_maps MiB"].values()) * MiB == m["bytes"], m
+        assert m["numa_maps MiB"].get("N0", 0) * MiB == m["bytes"], m
+    assert "| 64Mi |" in proc.stdout and "a 64Mi volume mapped: KernelPageSize" in proc.stdout
     assert memory_pool_mounts() == [], "the benchmark left a pool mounted"
 
 
