@@ -105,7 +105,9 @@ class DriverProcess:
         self.kubelet.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.socket.unlink()  # so "socket exists" means "this process bound it"
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # The repository first, then what the caller had (a host's own site dirs).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
         env.pop("CSI_PMEM_FAILPOINTS", None)
         with open(self.log, "ab") as out:
             t0 = time.perf_counter()

@@ -1177,3 +1177,60 @@ def test_no_batch_allocates_while_the_service_holds_a_slot_let_go_of(
     finally:
         pool.close()
     assert FakeAllocation.live == 0
+
+
+def test_a_free_slot_is_let_go_of_without_waiting_for_other_slots_copies(
+        work, node_factory, fake_allocations):
+    """The service lets go of a forgotten slot with no copy queued into it at once, not
+    behind the copies queued into the pod's other slots: the pod allocates its next
+    slot only then, and the link would idle until they all landed."""
+    vol, _ = staged(work)
+    node = node_factory(vol, copier=FakeCopier(delay=0.3))
+    make, _ = fake_allocations
+    pool = NodePool(node.sock, 0, 14 * MiB, allocate=make)
+    try:
+        free = pool.acquire(4 * MiB)
+        start, end = pool.submit(free, [protocol.Copy(0, 0, 4096)])
+        assert list(pool.progress(start, end))[-1] == 1
+        pool.give_back(free)
+        busy = pool.acquire(8 * MiB)
+        start, end = pool.submit(busy, [protocol.Copy(0, 0, 4096), protocol.Copy(0, 4096, 4096)])
+        t0 = time.monotonic()
+        slot = pool.acquire(5 * MiB)  # lets go of the free slot first
+        took = time.monotonic() - t0
+        assert pool.session.acks_forget and pool.let_go == 1
+        assert took < 0.25, f"waited {took:.2f} s for the service"
+        assert list(pool.progress(start, end))[-1] == 2
+        for s in (slot, busy):
+            pool.give_back(s)
+    finally:
+        pool.close()
+    assert FakeAllocation.live == 0
+
+
+def test_a_service_that_does_not_answer_forgets_costs_no_wait(
+        work, node_factory, fake_allocations, monkeypatch):
+    """A node's service older than the pod's loader (its hello without ``forgot``):
+    the pod lets go of slots without waiting for an answer that never comes."""
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    data = Path(vol).read_bytes()
+    make, _ = fake_allocations
+    hello = Session.hello
+
+    def old_hello(self: Session) -> list[str]:
+        gpus = hello(self)
+        self.acks_forget = False
+        return gpus
+
+    monkeypatch.setattr(Session, "hello", old_hello)
+    pool = NodePool(node.sock, 0, 3 * MiB, allocate=make)
+    try:
+        t0 = time.monotonic()
+        for n in (2 * MiB, 2 * MiB + MiB // 2, 3 * MiB):  # each too big for the last
+            slot, _ = fill(pool, data, 0, n)
+            pool.give_back(slot)
+        assert pool.let_go == 2 and time.monotonic() - t0 < 1.5
+    finally:
+        pool.close()
+    assert FakeAllocation.live == 0

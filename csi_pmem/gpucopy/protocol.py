@@ -24,7 +24,10 @@ of one it held there); sent without, it copies into the allocation it holds ther
 the same size. Such a request says which (``"fd": true`` when it carries one): the fds
 of a stream socket arrive with the bytes of a receive, which may hold several messages,
 so the service takes them in order, as many as each message says it carries.
-``{"op": "forget", "slot": s}`` lets go of one. Why: a batched load
+``{"op": "forget", "slot": s}`` lets go of one, and the service answers
+``{"forgot": s}`` once it has (at once where no copy into it is queued, else after
+them; its hello says ``"forgot": true``): the device memory is freed only once both
+sides let go, so a pod waits for it before it allocates anew. Why slots: a batched load
 (vLLM's) makes dozens of requests of a few hundred MB into memory it frees and makes
 again; each fresh allocation cost the pod ``cuMemCreate`` and an export, and the
 service an import and a mapping, about 3-6 ms per batch on an H100 while the link

@@ -32,6 +32,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from csi_pmem import fdpass
@@ -50,6 +51,7 @@ _END = object()  # in the waiter's queue: a request's copies end here
 # (_CLOSE, target, slot): let go of a slot's target once its copies landed, and say so
 # where the pod forgot the slot (``slot`` not None)
 _CLOSE = object()
+_LANDED = object()  # (_LANDED, target): one request's copies into target were waited for
 SLOT_IDLE_TIMEOUT = 300.0  # seconds a pod holding slots may be silent between requests
 
 
@@ -331,7 +333,9 @@ class CopyService:
 
     def _receive(self, reader: protocol.Reader, state: VolumeState,
                  tokens: queue.SimpleQueue[Any], targets: list[Any],
-                 failure: list[BaseException], accepted: float) -> tuple[int, int, float]:
+                 failure: list[BaseException], accepted: float,
+                 let_go: Callable[[Any, int | None], None],
+                 queued: Callable[[Any], None]) -> tuple[int, int, float]:
         """Read the pod's requests until it shuts its side down (or a copy failed),
         opening each allocation (or taking the one held in its slot) and queueing its
         copies at once, then a request's end. Returns the requests, their bytes and
@@ -352,7 +356,7 @@ class CopyService:
                     if slot is None or slot not in slots:
                         raise protocol.ProtocolError(
                             f"forget names slot {slot}, which holds no allocation")
-                    tokens.put((_CLOSE, slots.pop(slot), slot))
+                    let_go(slots.pop(slot), slot)
                     continue
                 if len(fds) != 1 and not (slotted and doc.get("fd") is not True):
                     raise protocol.ProtocolError(
@@ -377,7 +381,7 @@ class CopyService:
                     targets.append(target)
                     if request.slot is not None:
                         if held is not None:  # after the copies queued into it
-                            tokens.put((_CLOSE, held, None))
+                            let_go(held, None)
                         slots[request.slot] = target
                         # A pod that keeps its allocations is between batches while
                         # its server works: it may be silent longer than one message.
@@ -386,8 +390,11 @@ class CopyService:
                 else:
                     target = held
                 opened = time.monotonic()
-                for token in self.copier.enqueue(target, state.host_copies(request)):
+                copies = self.copier.enqueue(target, state.host_copies(request))
+                queued(target)
+                for token in copies:
                     tokens.put(token)
+                tokens.put((_LANDED, target))
                 tokens.put(_END)
                 log.debug("request %d: at %.1f ms, target %s in %.1f ms, %d copies "
                           "queued in %.1f ms", requests, (arrived - accepted) * 1e3,
@@ -431,7 +438,8 @@ class CopyService:
         it arrives, behind the previous request's, so a pod can send its first, small
         allocation at once and allocate the rest while the copy engine works. A waiter
         thread reports ``{"done": k}`` (k counts copies over all requests, in order);
-        ``{"ok": true, ...}`` follows the last one.
+        ``{"ok": true, ...}`` follows the last one. A forgotten slot is answered with
+        ``{"forgot": s}`` once its allocation is let go of.
         """
         reader = protocol.Reader(sock)
         send_lock = threading.Lock()
@@ -445,20 +453,50 @@ class CopyService:
             with send_lock:
                 protocol.send(sock, doc)
 
+        # Requests whose copies into a target the waiter has not finished, per target:
+        # a slot the pod forgets with none is let go of at once, not behind the copies
+        # queued into its other slots (the pod allocates its next slot only then).
+        pending: dict[Any, int] = {}
+        pending_lock = threading.Lock()
+
+        def queued(target: Any) -> None:
+            with pending_lock:
+                pending[target] = pending.get(target, 0) + 1
+
+        def landed(target: Any) -> None:
+            with pending_lock:
+                pending[target] -= 1
+
+        def close(target: Any, slot: int | None) -> None:
+            with contextlib.suppress(ValueError):
+                targets.remove(target)
+            target.close()
+            if slot is not None:
+                # The pod waits for this before it allocates anew: the memory is freed
+                # only once both sides have let go (a 306 MiB slot let go of and a new
+                # one made at once held both on an H100).
+                with contextlib.suppress(OSError):
+                    send({"forgot": slot})
+
+        def let_go(target: Any, slot: int | None) -> None:
+            with pending_lock:
+                busy = pending.get(target, 0) > 0
+                if not busy:
+                    pending.pop(target, None)
+            if busy:  # after the copies queued into it
+                tokens.put((_CLOSE, target, slot))
+            else:
+                close(target, slot)
+
         def waiter() -> None:
             sent: float = 0  # the count last said
             while (token := tokens.get()) is not None:
                 if isinstance(token, tuple) and token and token[0] is _CLOSE:
                     # Every copy queued into it before was waited for or discarded.
-                    with contextlib.suppress(ValueError):
-                        targets.remove(token[1])
-                    token[1].close()
-                    if token[2] is not None:
-                        # The pod waits for this before it allocates anew: the memory
-                        # is freed only once both sides have let go (a 306 MiB slot
-                        # let go of and a new one made at once held both on an H100).
-                        with contextlib.suppress(OSError):
-                            send({"forgot": token[2]})
+                    close(token[1], token[2])
+                    continue
+                if isinstance(token, tuple) and token and token[0] is _LANDED:
+                    landed(token[1])
                     continue
                 if token is _END:  # a request's last copy: said at once, however soon
                     if done[0] > sent and not failure:
@@ -497,7 +535,7 @@ class CopyService:
             sock.settimeout(self.client_timeout)
             send({"service": protocol.SERVICE, "protocol": protocol.PROTOCOL,
                   "volume_id": state.id, "gpus": self.copier.gpus(),
-                  "registered_bytes": state.registered_bytes})
+                  "registered_bytes": state.registered_bytes, "forgot": True})
             with state.in_use():
                 try:
                     try:
@@ -506,7 +544,8 @@ class CopyService:
                         raise CopyError(f"the GPU copy service cannot start a thread "
                                         f"({exc})") from exc
                     requests, total, started = self._receive(reader, state, tokens,
-                                                             targets, failure, accepted)
+                                                             targets, failure, accepted,
+                                                             let_go, queued)
                     tokens.put(None)
                     wait_thread.join()
                     if failure:

@@ -276,7 +276,10 @@ class BatchedLoad:
         # (GpuLoader.one_load says why).
         one_load = getattr(gpu, "one_load", None)
         cap = max(self.bound, self.budget)  # what the node path's slots may hold
-        with one_load(self.view, cap=cap, sizes=self.sizes) if one_load is not None \
+        # Only the batches of the window's share: a slot made larger for a lone big
+        # tensor's size would be counted at more than its batch beside the others.
+        sizes = [s for s in self.sizes if s <= self.limit]
+        with one_load(self.view, cap=cap, sizes=sizes) if one_load is not None \
                 else contextlib.nullcontext():
             yield from self._batches()
 

@@ -87,6 +87,7 @@ class Session:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.gpus: list[str] | None = None  # known once the hello is read
         self.registered_bytes = 0
+        self.acks_forget = False  # the service answers a forget once it let go
         try:
             self.sock.settimeout(timeout)
             with unix_address(path) as address:
@@ -109,6 +110,7 @@ class Session:
                 raise NodeCopyError(f"{self.path} is not a csi-pmem GPU copy service")
             self.gpus = list(hello.get("gpus") or [])
             self.registered_bytes = int(hello.get("registered_bytes") or 0)
+            self.acks_forget = hello.get("forgot") is True
         return self.gpus
 
     def _read(self, done: int = 0) -> dict[str, Any]:

@@ -138,7 +138,8 @@ class NodePool:
         """A slot of at least ``nbytes`` for this caller alone (busy until its lease
         goes, or :meth:`give_back`). Where the busy slots and a new one would pass the
         cap (a reused slot may be larger than its batch), it waits up to
-        :data:`CAP_WAIT` seconds for one to come back, then goes over and says so."""
+        :data:`CAP_WAIT` seconds for one to come back, then goes over and says so. A
+        new slot also waits for another batch making one (:meth:`_new`)."""
         deadline: float | None = None
         while True:
             wait = False
@@ -227,6 +228,8 @@ class NodePool:
             try:
                 for g in gone:  # both sides let go before the new one is made
                     self._forget(g)
+                with self._lock:
+                    self._check()  # failed or closed while it waited: allocate nothing
                 return self._make(index, want)
             finally:
                 with self._lock:
@@ -258,12 +261,16 @@ class NodePool:
 
     def give_back(self, slot: Slot) -> None:
         """The slot's batch is gone. From a lease's finaliser, which may run in any
-        thread at any allocation (a cycle collected): it never raises and never waits
-        for the pool's lock, which a thread sending to the service may hold."""
+        thread at any allocation (a cycle collected): it never raises, and takes the
+        pool's (reentrant) lock only once the pool is closed, when no thread sends."""
         if self._closed or self.failed is not None:
+            # Whoever takes it out of the pool frees it (one call under the GIL: no
+            # lock needed); shed() or a new slot's let-go may have taken it already.
+            try:
+                self.slots.remove(slot)
+            except ValueError:
+                return
             slot.busy = False
-            with contextlib.suppress(ValueError):  # shed() may have taken it out
-                self.slots.remove(slot)  # one call under the GIL: no lock needed
             with contextlib.suppress(Exception):
                 slot.alloc.free()
             return
@@ -284,8 +291,10 @@ class NodePool:
         with self._lock:
             self._drain()
             for slot in [s for s in list(self.slots) if not s.busy]:
-                with contextlib.suppress(ValueError):  # give_back() took it out
+                try:
                     self.slots.remove(slot)
+                except ValueError:  # give_back() took it out, and frees it
+                    continue
                 with contextlib.suppress(Exception):
                     slot.alloc.free()
 
@@ -302,12 +311,16 @@ class NodePool:
         and wait until the service has: the memory is freed only once both sides let
         go, and the caller allocates next."""
         sent = False
-        if slot.known:
+        # The hello was read: a slot is known only once a request into it made progress.
+        if slot.known and self.session.acks_forget:
             with self._progress:
                 self._forgotten.discard(slot.index)
             with self._send, contextlib.suppress(OSError):
                 protocol.send(self.session.sock, protocol.forget(slot.index))
                 sent = True
+        elif slot.known:  # a service that does not say when: let go and go on
+            with self._send, contextlib.suppress(OSError):
+                protocol.send(self.session.sock, protocol.forget(slot.index))
         slot.alloc.free()  # waits for what this process still queued on it
         if sent:
             with self._progress:
