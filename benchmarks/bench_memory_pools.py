@@ -132,7 +132,8 @@ def mapping_facts(path: str) -> dict:
                     key, _, value = field.partition(":")
                     # tmpfs's 2 MiB pages show as ShmemPmdMapped (KernelPageSize
                     # stays 4 kB there); hugetlbfs's in KernelPageSize.
-                    if key in ("KernelPageSize", "Rss", "ShmemPmdMapped", "FilePmdMapped"):
+                    if key in ("KernelPageSize", "Rss", "ShmemPmdMapped", "FilePmdMapped",
+                               "Shared_Hugetlb"):  # hugetlbfs pages are not in Rss
                         facts[key + " kB"] = int(value.split()[0])
                     if key == "VmFlags":
                         break
@@ -163,7 +164,9 @@ def run(args: argparse.Namespace) -> dict:
     largest = max(n for _, n in sizes)
     # Room for the largest and its metadata (a 64th of the volume, 2 MiB aligned: 272 MiB
     # for 16 GiB, so a flat 256 MiB was too little there).
-    pool = largest + max(256 * 2**20, largest // 32)
+    # hugetlbfs pools hold whole pages, so on 1G pages the metadata takes a page more.
+    page = {"4k": 4096, "2M": 2**21, "1G": 2**30}[args.pages]
+    pool = -(-(largest + max(256 * 2**20, largest // 32)) // page) * page
     rows: dict[str, dict[str, list[float]]] = {s: {"create": [], "memset": []}
                                                for s, _ in sizes}
     mapped: dict[str, dict] = {}
@@ -225,7 +228,8 @@ def render(doc: dict) -> str:
         m = r.get("mapping") or {}
         lines.append(f"a {r['size']} volume mapped: KernelPageSize {m.get('KernelPageSize kB')}"
                      f" kB, 2 MiB-mapped (tmpfs) {m.get('ShmemPmdMapped kB')} kB of "
-                     f"{m.get('Rss kB')} kB resident, pages per node (MiB) "
+                     f"{m.get('Rss kB')} kB resident, hugetlb {m.get('Shared_Hugetlb kB')} "
+                     f"kB, pages per node (MiB) "
                      f"{m.get('numa_maps MiB')}")
     return "\n".join(lines)
 
