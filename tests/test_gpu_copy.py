@@ -1059,24 +1059,27 @@ def test_a_slot_given_back_after_close_leaves_the_pool(work, node_factory,
     assert not pool.slots and FakeAllocation.live == 0
 
 
-def test_a_new_slot_is_made_after_the_service_let_go_of_the_old(
-        work, node_factory, fake_allocations, monkeypatch):
-    """Device memory is freed once both sides let go: a pod that made its next
-    allocation as soon as it sent the forget held both for a while (306 MiB more than
-    the bound on an H100). The service says when it let go; the pod waits for that."""
+def slow_service_close(monkeypatch: pytest.MonkeyPatch, delay: float) -> threading.Event:
+    """The fake service's let-go of an allocation takes ``delay`` seconds, as an unmap
+    of a big one does; the event is set when one starts."""
     from csi_pmem.gpucopy.copier import FakeTarget
 
-    vol, _ = staged(work)
-    node = node_factory(vol)
-    data = Path(vol).read_bytes()
-    make, _ = fake_allocations
     close = FakeTarget.close
+    closing = threading.Event()
 
     def slow_close(self: Any) -> None:
-        time.sleep(0.05)  # the service's unmap takes a while
+        closing.set()
+        time.sleep(delay)
         close(self)
 
     monkeypatch.setattr(FakeTarget, "close", slow_close)
+    return closing
+
+
+def counting_pool(node: Any, make: Any, cap: int) -> tuple[NodePool, list[tuple[int, int]]]:
+    """A pool that records, at each allocation it makes, how many allocations the
+    service holds and how many of the pool's slots it was sent: the service must
+    never hold one the pod has let go of."""
     held_by_service: list[tuple[int, int]] = []
     pool: NodePool
 
@@ -1085,7 +1088,21 @@ def test_a_new_slot_is_made_after_the_service_let_go_of_the_old(
                                 sum(s.known for s in pool.slots)))
         return make(n)
 
-    pool = NodePool(node.sock, 0, 3 * MiB, allocate=counted)
+    pool = NodePool(node.sock, 0, cap, allocate=counted)
+    return pool, held_by_service
+
+
+def test_a_new_slot_is_made_after_the_service_let_go_of_the_old(
+        work, node_factory, fake_allocations, monkeypatch):
+    """Device memory is freed once both sides let go: a pod that made its next
+    allocation as soon as it sent the forget held both for a while (306 MiB more than
+    the bound on an H100). The service says when it let go; the pod waits for that."""
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    data = Path(vol).read_bytes()
+    make, _ = fake_allocations
+    slow_service_close(monkeypatch, 0.05)  # the service's unmap takes a while
+    pool, held_by_service = counting_pool(node, make, 3 * MiB)
     try:
         for n in (2 * MiB, 2 * MiB + MiB // 2, 3 * MiB):  # each too big for the last
             slot, _ = fill(pool, data, 0, n)
@@ -1137,30 +1154,12 @@ def test_no_batch_allocates_while_the_service_holds_a_slot_let_go_of(
     """One batch lets go of a slot and waits for the service to say it did; a second
     batch that needs a new slot meanwhile waits too, instead of allocating beside
     memory the service still holds (a 1 GiB bound peaked at 1350 MiB on an H100)."""
-    from csi_pmem.gpucopy.copier import FakeTarget
-
     vol, _ = staged(work)
     node = node_factory(vol)
     data = Path(vol).read_bytes()
     make, _ = fake_allocations
-    close = FakeTarget.close
-    closing = threading.Event()
-
-    def slow_close(self: Any) -> None:
-        closing.set()
-        time.sleep(0.1)
-        close(self)
-
-    monkeypatch.setattr(FakeTarget, "close", slow_close)
-    held_by_service: list[tuple[int, int]] = []
-    pool: NodePool
-
-    def counted(n: int) -> FakeAllocation:
-        held_by_service.append((node.copier.open_targets,
-                                sum(s.known for s in pool.slots)))
-        return make(n)
-
-    pool = NodePool(node.sock, 0, 3 * MiB, allocate=counted)
+    closing = slow_service_close(monkeypatch, 0.1)
+    pool, held_by_service = counting_pool(node, make, 3 * MiB)
     try:
         slot, _ = fill(pool, data, 0, 2 * MiB)
         pool.give_back(slot)
