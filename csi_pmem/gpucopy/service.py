@@ -468,6 +468,8 @@ class CopyService:
                 pending[target] -= 1
 
         def close(target: Any, slot: int | None) -> None:
+            with pending_lock:
+                pending.pop(target, None)
             with contextlib.suppress(ValueError):
                 targets.remove(target)
             target.close()
@@ -481,8 +483,6 @@ class CopyService:
         def let_go(target: Any, slot: int | None) -> None:
             with pending_lock:
                 busy = pending.get(target, 0) > 0
-                if not busy:
-                    pending.pop(target, None)
             if busy:  # after the copies queued into it
                 tokens.put((_CLOSE, target, slot))
             else:

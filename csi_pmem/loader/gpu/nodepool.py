@@ -121,9 +121,9 @@ class NodePool:
         self.report: dict[str, Any] | None = None
         self._lock = threading.RLock()
         self._returned: queue.SimpleQueue[Slot] = queue.SimpleQueue()  # given back
-        self._reserved: dict[int, int] = {}  # slots being made: index -> bytes
         self._send = threading.Lock()
         self._making = threading.Lock()  # one slot made (and others let go) at a time
+        self._making_bytes = 0  # the slot being made, counted as held
         self._progress = threading.Condition()
         self._sent = self._done = 0
         self._forgotten: set[int] = set()  # slots the service said it let go of
@@ -172,7 +172,7 @@ class NodePool:
 
     def _in_use(self) -> int:
         """The busy slots' bytes, and the one being made (lock held)."""
-        return sum(s.size for s in self.slots if s.busy) + sum(self._reserved.values())
+        return sum(s.size for s in self.slots if s.busy) + self._making_bytes
 
     def _reusable(self, nbytes: int) -> Slot | None:
         """Take the smallest free slot that fits ``nbytes`` within the reuse margin and
@@ -208,23 +208,22 @@ class NodePool:
                              "were counted at", describe_size(in_use + want - self.cap),
                              describe_size(self.cap))
                 free = sorted((s for s in self.slots if not s.busy), key=lambda s: -s.size)
-                total = sum(s.size for s in self.slots) + sum(self._reserved.values())
+                total = sum(s.size for s in self.slots)
                 while free and (total + want > self.cap
-                                or len(self.slots) + len(self._reserved) - len(gone)
-                                >= protocol.MAX_SLOTS):
+                                or len(self.slots) - len(gone) >= protocol.MAX_SLOTS):
                     gone.append(free.pop(0))
                     total -= gone[-1].size
                 for g in gone:
                     self.slots.remove(g)
                 self.let_go += len(gone)
                 index = min(set(range(protocol.MAX_SLOTS + 1))
-                            - {s.index for s in self.slots} - set(self._reserved))
+                            - {s.index for s in self.slots})
                 if index >= protocol.MAX_SLOTS:
                     raise NodeCopyError(f"all {protocol.MAX_SLOTS} slots of the GPU copy "
                                         "service connection are in use")
                 # Counted as held while it is made: a batch reusing a slot meanwhile
                 # must see it.
-                self._reserved[index] = want
+                self._making_bytes = want
             try:
                 for g in gone:  # both sides let go before the new one is made
                     self._forget(g)
@@ -233,7 +232,7 @@ class NodePool:
                 return self._make(index, want)
             finally:
                 with self._lock:
-                    self._reserved.pop(index, None)
+                    self._making_bytes = 0
 
     def _size_for(self, nbytes: int, in_use: int) -> int:
         """The size of a new slot for a batch of ``nbytes``: the largest of the load's
@@ -310,19 +309,20 @@ class NodePool:
         """Let go of a slot on both sides (taken out of the pool, not under its lock),
         and wait until the service has: the memory is freed only once both sides let
         go, and the caller allocates next."""
-        sent = False
-        # The hello was read: a slot is known only once a request into it made progress.
-        if slot.known and self.session.acks_forget:
-            with self._progress:
-                self._forgotten.discard(slot.index)
-            with self._send, contextlib.suppress(OSError):
-                protocol.send(self.session.sock, protocol.forget(slot.index))
-                sent = True
-        elif slot.known:  # a service that does not say when: let go and go on
-            with self._send, contextlib.suppress(OSError):
-                protocol.send(self.session.sock, protocol.forget(slot.index))
+        # A slot let go of is free: its batch landed, so the hello was read before. A
+        # service whose hello does not say it answers is not waited for.
+        wait = slot.known and self.session.acks_forget
+        if slot.known:
+            if wait:
+                with self._progress:
+                    self._forgotten.discard(slot.index)
+            try:
+                with self._send:
+                    protocol.send(self.session.sock, protocol.forget(slot.index))
+            except OSError:  # the connection is gone, and the service let go with it
+                wait = False
         slot.alloc.free()  # waits for what this process still queued on it
-        if sent:
+        if wait:
             with self._progress:
                 if not self._progress.wait_for(
                         lambda: slot.index in self._forgotten or self.failed is not None
