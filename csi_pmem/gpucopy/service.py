@@ -465,7 +465,8 @@ class CopyService:
 
         def landed(target: Any) -> None:
             with pending_lock:
-                pending[target] -= 1
+                if target in pending:  # closed only once none were in flight
+                    pending[target] -= 1
 
         def close(target: Any, slot: int | None) -> None:
             with pending_lock:
