@@ -372,9 +372,11 @@ def test_a_silent_service_times_out(work, node_factory):
 
 
 def wait_spent(copier: FakeCopier, seconds: float = 10) -> int:
-    """The copier's unspent tokens once the service has finished with the connection."""
+    """The copier's unspent tokens once the service has finished with the connection:
+    its tokens spent and its targets let go. The pod may hear of a failure before the
+    service has settled (it is told at once), so a test that asserts either waits."""
     deadline = time.monotonic() + seconds
-    while copier.outstanding and time.monotonic() < deadline:
+    while (copier.outstanding or copier.open_targets) and time.monotonic() < deadline:
         time.sleep(0.02)
     return copier.outstanding
 
@@ -1184,7 +1186,7 @@ def test_a_free_slot_is_let_go_of_without_waiting_for_other_slots_copies(
     behind the copies queued into the pod's other slots: the pod allocates its next
     slot only then, and the link would idle until they all landed."""
     vol, _ = staged(work)
-    node = node_factory(vol, copier=FakeCopier(delay=0.3))
+    node = node_factory(vol, copier=FakeCopier(delay=0.5))  # 1 s for the busy slot's
     make, _ = fake_allocations
     pool = NodePool(node.sock, 0, 14 * MiB, allocate=make)
     try:
@@ -1198,7 +1200,7 @@ def test_a_free_slot_is_let_go_of_without_waiting_for_other_slots_copies(
         slot = pool.acquire(5 * MiB)  # lets go of the free slot first
         took = time.monotonic() - t0
         assert pool.session.acks_forget and pool.let_go == 1
-        assert took < 0.25, f"waited {took:.2f} s for the service"
+        assert took < 0.5, f"waited {took:.2f} s for the service"
         assert list(pool.progress(start, end))[-1] == 2
         for s in (slot, busy):
             pool.give_back(s)
