@@ -18,7 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-HostCopy = tuple[int, int, int]  # (host address, offset in the target, bytes)
+# (host address, offset in the target, bytes, rows, the rows' pitch on the host): rows
+# of bytes // rows each, packed in the target (protocol.Copy says why)
+HostCopy = tuple[int, int, int, int, int]
 
 
 class CopyError(Exception):
@@ -146,7 +148,7 @@ class FakeCopier:
 
     def enqueue(self, target: Target, copies: Sequence[HostCopy]) -> list[Any]:
         assert isinstance(target, FakeTarget), "a target of another copier"
-        for i, (_, dst, n) in enumerate(copies):
+        for i, (_, dst, n, _, _) in enumerate(copies):
             if dst + n > target.size:
                 raise CopyError(f"copy #{i} ends past the allocation")
         # Like a copy engine, the bytes move later: when waited for.
@@ -155,7 +157,7 @@ class FakeCopier:
         return [(target, c) for c in copies]
 
     def wait(self, token: Any) -> None:
-        target, (src, dst, n) = token
+        target, (src, dst, n, rows, pitch) = token
         with self._lock:
             self.outstanding -= 1
             self._waited += 1
@@ -164,7 +166,9 @@ class FakeCopier:
             time.sleep(self.delay)
         if failing:
             raise CopyError("a copy failed on the device (fake fault)")
-        ctypes.memmove(target.address + dst, src, n)
+        width = n // rows
+        for r in range(rows):
+            ctypes.memmove(target.address + dst + r * width, src + r * pitch, width)
 
     def discard(self, token: Any) -> None:
         with self._lock:

@@ -6,7 +6,8 @@ portable, so one registration serves every GPU), import a pod's allocation from 
 POSIX fd (``cuMemImportFromShareableHandle``), map it into this process
 (``cuMemAddressReserve`` + ``cuMemMap`` + ``cuMemSetAccess``; mapping fails when the
 allocation is smaller than announced, which is the size check), and
-``cuMemcpyHtoDAsync`` on a stream of the allocation's own GPU, with an event after each
+``cuMemcpyHtoDAsync`` (``cuMemcpy2DAsync`` for a tensor-parallel rank's stretch of
+every row) on a stream of the allocation's own GPU, with an event after each
 copy so progress is reported in order as the copy engine finishes. Copies are queued
 as requests arrive, so the next allocation's copies line up behind the current ones.
 
@@ -233,9 +234,14 @@ class CudaCopier:
         base = target.address
         tokens: list[Any] = []
         try:
-            for src, dst, n in copies:
-                check(cu, cu.cuMemcpyHtoDAsync(base + dst, src, n, stream),
-                      "cuMemcpyHtoDAsync")
+            for src, dst, n, rows, pitch in copies:
+                if rows == 1:
+                    check(cu, cu.cuMemcpyHtoDAsync(base + dst, src, n, stream),
+                          "cuMemcpyHtoDAsync")
+                else:
+                    check(cu, cu.cuMemcpy2DAsync(self._rows(src, base + dst, n // rows,
+                                                            rows, pitch), stream),
+                          "cuMemcpy2DAsync")
                 ev = self._take_event(target.ordinal)
                 tokens.append((target, ev))  # spent by discard below if the record fails
                 check(cu, cu.cuEventRecord(ev, stream), "recording an event")
@@ -244,6 +250,21 @@ class CudaCopier:
                 self.discard(token)
             raise
         return tokens
+
+    def _rows(self, src: int, dst: int, width: int, rows: int, pitch: int) -> Any:
+        """``rows`` rows of ``width`` bytes, one every ``pitch`` on the host from
+        ``src``, packed at device address ``dst``."""
+        cu = self.cu
+        m = cu.CUDA_MEMCPY2D()
+        m.srcMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_HOST
+        m.srcHost = src
+        m.srcPitch = pitch
+        m.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        m.dstDevice = cu.CUdeviceptr(dst)
+        m.dstPitch = width
+        m.WidthInBytes = width
+        m.Height = rows
+        return m
 
     def wait(self, token: Any) -> None:
         cu = self.cu

@@ -69,11 +69,36 @@ class ProtocolError(Exception):
 
 @dataclass(frozen=True)
 class Copy:
-    """Copy ``nbytes`` from volume offset ``src`` to allocation offset ``dst``."""
+    """Copy ``nbytes`` from volume offset ``src`` to allocation offset ``dst``; with
+    ``rows`` > 1, ``rows`` rows of ``nbytes // rows`` bytes each, one every ``pitch``
+    bytes of the volume from ``src``, packed one after the other at ``dst``.
+
+    Why rows: a tensor-parallel rank of a row-parallel layer takes a stretch of every
+    row of the checkpoint tensor (``narrow(1, ...)``); one request row by row would be
+    thousands of copies of a few KB, while the copy engine moves such a 2D region in
+    one (``cuMemcpy2DAsync``).
+    """
 
     src: int
     dst: int
     nbytes: int
+    rows: int = 1
+    pitch: int = 0
+
+    @property
+    def width(self) -> int:
+        """Bytes per row."""
+        return self.nbytes // self.rows
+
+    @property
+    def end(self) -> int:
+        """One past the last volume byte read."""
+        return self.src + (self.rows - 1) * self.pitch + self.width
+
+    def to_json(self) -> list[int]:
+        if self.rows == 1:
+            return [self.src, self.dst, self.nbytes]
+        return [self.src, self.dst, self.nbytes, self.rows, self.pitch]
 
 
 @dataclass(frozen=True)
@@ -90,7 +115,7 @@ class CopyRequest:
 
     def to_json(self) -> dict[str, Any]:
         doc = {"op": OP_COPY, "gpu": self.gpu, "size": self.size,
-               "copies": [[c.src, c.dst, c.nbytes] for c in self.copies]}
+               "copies": [c.to_json() for c in self.copies]}
         if self.slot is not None:
             doc["slot"] = self.slot
             doc["fd"] = self.fresh
@@ -133,16 +158,22 @@ def parse_copy_request(doc: Any, volume_size: int) -> CopyRequest:
         raise ProtocolError("the copy request has no copy list")
     out = []
     for i, entry in enumerate(copies):
-        if not (isinstance(entry, list) and len(entry) == 3 and all(map(_uint, entry))):
-            raise ProtocolError(f"copy #{i} is not [src, dst, nbytes] of non-negative integers")
-        src, dst, n = entry
-        if src + n > volume_size:
-            raise ProtocolError(f"copy #{i} reads [{src}, {src + n}), outside the volume of "
+        if not (isinstance(entry, list) and len(entry) in (3, 5) and all(map(_uint, entry))):
+            raise ProtocolError(f"copy #{i} is not [src, dst, nbytes] or [src, dst, nbytes, "
+                                "rows, pitch] of non-negative integers")
+        src, dst, n, rows, pitch = entry if len(entry) == 5 else (*entry, 1, 0)
+        if rows == 0 or n % rows or (rows > 1 and pitch < n // rows):
+            raise ProtocolError(f"copy #{i} has {rows} rows of {n} bytes in all, every "
+                                f"{pitch} bytes: rows must be at least 1, divide the bytes, "
+                                "and not overlap")
+        c = Copy(src, dst, n, rows, pitch if rows > 1 else 0)
+        if c.end > volume_size:
+            raise ProtocolError(f"copy #{i} reads [{src}, {c.end}), outside the volume of "
                                 f"{volume_size} bytes")
         if dst + n > size:
             raise ProtocolError(f"copy #{i} writes [{dst}, {dst + n}), outside the "
                                 f"allocation of {size} bytes")
-        out.append(Copy(src, dst, n))
+        out.append(c)
     return CopyRequest(gpu, size, tuple(out), parse_slot(doc), doc.get("fd") is True)
 
 

@@ -139,7 +139,8 @@ class VolumeState:
         self._stale.clear()
 
     def host_copies(self, request: protocol.CopyRequest) -> list[HostCopy]:
-        return [(self.address + c.src, c.dst, c.nbytes) for c in request.copies]
+        return [(self.address + c.src, c.dst, c.nbytes, c.rows, c.pitch)
+                for c in request.copies]
 
     @contextlib.contextmanager
     def in_use(self):
@@ -536,7 +537,8 @@ class CopyService:
             sock.settimeout(self.client_timeout)
             send({"service": protocol.SERVICE, "protocol": protocol.PROTOCOL,
                   "volume_id": state.id, "gpus": self.copier.gpus(),
-                  "registered_bytes": state.registered_bytes, "forgot": True})
+                  "registered_bytes": state.registered_bytes, "forgot": True,
+                  "rows": True})
             with state.in_use():
                 try:
                     try:

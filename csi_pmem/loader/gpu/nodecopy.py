@@ -88,6 +88,7 @@ class Session:
         self.gpus: list[str] | None = None  # known once the hello is read
         self.registered_bytes = 0
         self.acks_forget = False  # the service answers a forget once it let go
+        self.copies_rows = False  # the service takes copies of rows (protocol.Copy)
         try:
             self.sock.settimeout(timeout)
             with unix_address(path) as address:
@@ -111,6 +112,7 @@ class Session:
             self.gpus = list(hello.get("gpus") or [])
             self.registered_bytes = int(hello.get("registered_bytes") or 0)
             self.acks_forget = hello.get("forgot") is True
+            self.copies_rows = hello.get("rows") is True
         return self.gpus
 
     def _read(self, done: int = 0) -> dict[str, Any]:
