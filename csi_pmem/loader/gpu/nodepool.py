@@ -128,6 +128,10 @@ class NodePool:
         self._sent = self._done = 0
         self._forgotten: set[int] = set()  # slots the service said it let go of
         self._closed = self._ended = False
+        # Called with the count landed as it grows, and with None once it never will
+        # (failed or ended): from the reader thread, or the thread that failed the pool.
+        self.watchers: list[Callable[[int | None], None]] = []
+        self.greeted = threading.Event()  # the hello was read (or the reader stopped)
         self._reader = threading.Thread(target=self._read, name="node-copy-progress",
                                         daemon=True)
         self._reader.start()
@@ -387,7 +391,10 @@ class NodePool:
 
     def _read(self) -> None:
         try:
-            self.session.hello()
+            try:
+                self.session.hello()
+            finally:
+                self.greeted.set()
             while (doc := self.session.reader.read()) is not None:
                 self.session.reader.close_fds()
                 if "error" in doc:
@@ -404,9 +411,12 @@ class NodePool:
                 k = doc.get("done")
                 if isinstance(k, int) and not isinstance(k, bool):
                     with self._progress:
-                        if self._done < k <= self._sent:
+                        moved = self._done < k <= self._sent
+                        if moved:
                             self._done = k
                             self._progress.notify_all()
+                    if moved:
+                        self._tell(k)
             if not self._closed:
                 raise NodeCopyError(f"the GPU copy service at {self.path} closed the "
                                     "connection")
@@ -419,6 +429,16 @@ class NodePool:
             with self._progress:
                 self._ended = True
                 self._progress.notify_all()
+            self._tell(None)
+
+    def _tell(self, landed: int | None) -> None:
+        for watch in list(self.watchers):
+            watch(landed)
+
+    @property
+    def landed(self) -> int:
+        """How many of the connection's copies have landed."""
+        return self._done
 
     def _fail(self, exc: NodeCopyError) -> None:
         with self._progress:
@@ -429,6 +449,8 @@ class NodePool:
         if first and not self._closed:  # nothing more goes either way
             with contextlib.suppress(OSError):
                 self.session.sock.shutdown(socket.SHUT_RDWR)
+        if first:
+            self._tell(None)
 
     def _check(self) -> None:
         if self.failed is not None:
