@@ -705,6 +705,73 @@ def test_protocol_limits():
     assert req.copies == (protocol.Copy(1, 2, 3),) and req.nbytes == 3
 
 
+@pytest.mark.parametrize("entry, expect", [
+    ([0, 0, 12, 0, 8], "rows must be at least 1"),
+    ([0, 0, 12, 5, 8], "divide the bytes"),
+    ([0, 0, 12, 3, 3], "not overlap"),
+    ([0, 0, 12, 3, 46], "outside the volume"),  # the last row ends at 96: past 95
+    ([0, 0, 12, 3, 4, 1], "non-negative integers"),
+])
+def test_copies_of_rows_are_checked(entry, expect):
+    """A 2D copy reads its last row where it ends, not rows x pitch: a rank's stretch
+    at the end of the volume fits, one byte past does not."""
+    doc = {"op": "copy", "gpu": "g", "size": 12, "copies": [entry]}
+    with pytest.raises(protocol.ProtocolError, match=expect):
+        protocol.parse_copy_request(doc, 95)
+    ok = protocol.parse_copy_request(dict(doc, copies=[[0, 0, 12, 3, 46]]), 96)
+    assert ok.copies == (protocol.Copy(0, 0, 12, 3, 46),) and ok.copies[0].end == 96
+    assert ok.copies[0].to_json() == [0, 0, 12, 3, 46] and ok.nbytes == 12
+
+
+def test_copies_of_rows_land_packed(work, node_factory):
+    """A rank's stretch of every row (a row-parallel cut) is one copy: its rows land
+    one after the other, and only those bytes are read."""
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    assert node.prepare()
+    data = Path(vol).read_bytes()
+    rows, width, pitch, src = 37, 1000, 4096, 3 * MiB + 100
+    fd, out = allocation(64 * 1024)
+    copies = [protocol.Copy(src, 512, rows * width, rows, pitch),
+              protocol.Copy(src, 40_000, 300)]
+    report = request_copies(node.sock, fd, FAKE_GPU, len(out), copies, lambda k: None)
+    assert report["ok"] and report["bytes"] == rows * width + 300
+    want = b"".join(data[src + r * pitch:src + r * pitch + width] for r in range(rows))
+    assert out[512:512 + rows * width] == want
+    assert out[:512] == bytes(512) and out[512 + rows * width:40_000] == bytes(
+        40_000 - 512 - rows * width)
+    assert out[40_000:40_300] == data[src:src + 300]
+    session = Session(node.sock)
+    try:
+        assert session.hello() == [FAKE_GPU] and session.copies_rows
+    finally:
+        session.close()
+
+
+def test_a_pool_tells_its_watchers_what_landed_and_when_nothing_will(
+        work, node_factory, fake_allocations):
+    vol, _ = staged(work)
+    node = node_factory(vol)
+    assert node.prepare()
+    make, _ = fake_allocations
+    pool = NodePool(node.sock, 0, 8 * MiB, allocate=make)
+    told: list[int | None] = []
+    pool.watchers.append(told.append)
+    try:
+        assert pool.greeted.wait(5) and pool.session.copies_rows
+        slot = pool.acquire(MiB)
+        start, end = pool.submit(slot, [protocol.Copy(0, 0, 4096),
+                                        protocol.Copy(4096, 4096, 4096)])
+        list(pool.progress(start, end))
+        assert told and told[-1] == end == pool.landed == 2 and None not in told
+        pool.spend(NodeCopyError("stopped by the test"))
+        assert told[-1] is None and told.count(None) == 1
+        pool.give_back(slot)
+    finally:
+        pool.close()
+    assert told.count(None) <= 2  # the reader ending says so once more at most
+
+
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root for tmpfs mounts")
 def test_the_driver_serves_gpu_sock_and_releases_the_volume(driver_factory, work):

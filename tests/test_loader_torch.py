@@ -782,3 +782,52 @@ def test_node_copied_batches_survive_a_slot_of_every_size(tmp_path):
     pool = default_loader("cuda:0").last_pool
     assert pool is not None and pool.failed is None and pool.let_go >= 1
     assert pool.made + pool.reused == len(load.batches)
+
+
+@node_copy
+@pytest.mark.parametrize("tp", [2, 4])
+def test_rank_slices_through_the_node_service_are_bit_exact(tmp_path, tp):
+    """Each rank's cuts, as vLLM's loaders make them (a row range; a stretch of every
+    row: one 2D copy), through the node's copy service into slots of 2 MiB and out into
+    CUDA tensors on the server's stream: bit-exact, and all of them by the service."""
+    from safetensors import safe_open
+
+    from csi_pmem.driver.standalone import published
+    from csi_pmem.loader.gpu import rankslots, slices
+
+    src = tmp_path / "sharded"
+    lm.sharded_model(src)
+    for j in range(3):  # rows of a few KB and more than one slot: several copies each
+        safetensors_torch.save_file(
+            {f"big.{j}.weight": torch.randn(512 * (j + 1), 1024 + 8 * j).to(torch.bfloat16)},
+            str(src / f"extra-{j}.safetensors"))
+    vol = lm.staged_volume(src, tmp_path / "v")
+    want = {}
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as g:
+            want.update({k: g.get_tensor(k) for k in g.keys()})
+    dev = torch.device("cuda:0")
+    with published(str(vol), str(tmp_path / "pub")) as directory:
+        for rank in range(tp):
+            handle = start_load(directory, "cpu", verify=False, writes="readonly")
+            volume = handle.view.volume
+            copier = rankslots.rank_copier(volume, dev, rank, tp, "readonly", 8 << 20)
+            assert copier.path == rankslots.PATH, copier.describe()
+            copier.small = 0
+            got, cuts = {}, {}
+            with slices.active(copier):
+                for fut in handle.files.values():
+                    for name, view in fut.result().items():
+                        dim = 1 if name.endswith(("1.weight", "big.1.weight")) else 0
+                        n = view.shape[dim] // tp
+                        cuts[name] = (dim, rank * n, n)
+                        part = slices.wrap(view).narrow(dim, rank * n, n)
+                        got[name] = torch.empty(part.shape, dtype=view.dtype, device=dev)
+                        got[name].copy_(part)
+            copier.finish()
+            torch.cuda.synchronize()
+            assert copier.refused is None and copier.node_copied == copier.copied > 0
+            for name, (dim, start, n) in cuts.items():
+                assert torch.equal(bits(got[name]), bits(want[name].narrow(dim, start, n))), \
+                    (name, rank)
+            volume.close()

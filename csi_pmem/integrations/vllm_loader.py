@@ -13,12 +13,13 @@ loader only hands it ``(name, tensor)`` pairs, in volume order. Which tensors:
   of device memory beyond them (docs/inference.md has the measured speeds).
 - One of several tensor-parallel ranks on GPUs: views of the volume that each rank's
   weight loaders narrow to their slice as usual, and whose ``copy_`` into the rank's
-  parameter goes through pinned buffers (:mod:`csi_pmem.loader.gpu.slices`), so a rank
-  reads only its own bytes, near the speed of the link, with no device memory beyond
-  the parameters. A CUDA stream of whole tensors would make every rank read the whole
-  model over its host link. Each rank checks a share of the staged chunks
-  (``index % size == rank``), so the engine checks every chunk once and no rank hashes
-  the whole model.
+  parameter moves only the slice: through the node's GPU copy service where the volume
+  has ``gpu.sock`` (a plain or 2D copy into a ring of a few slots within ``gpu_budget``,
+  then a device copy on the server's stream: :mod:`csi_pmem.loader.gpu.rankslots`),
+  else through pinned buffers (:mod:`csi_pmem.loader.gpu.slices`). A CUDA stream of
+  whole tensors would make every rank read the whole model over its host link. Each
+  rank checks a share of the staged chunks (``index % size == rank``), so the engine
+  checks every chunk once and no rank hashes the whole model.
 - Otherwise (vLLM's CPU build): zero-copy views of the volume on the CPU, from
   :func:`~csi_pmem.loader.start_load` (copy-on-write where the volume allows it,
   read-only on devdax: vLLM only copies from them).
@@ -54,7 +55,7 @@ from csi_pmem.integrations.vllm_settings import LOAD_FORMAT, Settings, settings
 from csi_pmem.loader.api import CPU_VIEW, LoadHandle, start_load, verify_share
 from csi_pmem.loader.auxfiles import read_aux
 from csi_pmem.loader.batches import BatchedLoad
-from csi_pmem.loader.gpu import slices
+from csi_pmem.loader.gpu import rankslots, slices
 from csi_pmem.loader.model import ModelView, open_model
 from csi_pmem.sizes import human_size
 from csi_pmem.weights.errors import LoaderError
@@ -99,7 +100,7 @@ class CsiPmemModelLoader(BaseModelLoader):
                 loaded = copier.loaded
                 if share is not None:
                     share.result()  # ChecksumError: this rank's chunks are damaged
-                count, nbytes, path = copier.copies, copier.copied, slices.PATH
+                count, nbytes, path = copier.copies, copier.copied, copier.path
                 where = copier.describe()
             elif device is not None:
                 batched = BatchedLoad(view, str(device), budget=s.gpu_budget,
@@ -163,7 +164,7 @@ def _rank_load(model: torch.nn.Module, view: ModelView, s: Settings, device: tor
     share = verify_share(view, rank, size) if s.verify else None
     writes = "private" if view.volume.private_refused_reason is None else "readonly"
     handle = start_load(view, "cpu", verify=False, writes=writes)
-    copier = slices.RankCopier(device, rank, size)
+    copier = rankslots.rank_copier(view.volume, device, rank, size, writes, s.gpu_budget)
     try:
         with slices.active(copier):
             copier.loaded = model.load_weights(

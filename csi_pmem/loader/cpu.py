@@ -57,7 +57,9 @@ def resolve_writes(volume: Volume, writes: str, framework: str) -> str:
     return writes
 
 
-def _source(volume: Volume, writes: str) -> Any:
+def source(volume: Volume, writes: str) -> Any:
+    """The mapping the views of ``writes`` are made of (a rank's copier finds a slice's
+    volume offset from its address in it)."""
     if writes == "private":
         try:
             return volume.private_mapping()
@@ -78,7 +80,7 @@ TORCH_DTYPE_NAMES = {
 def numpy_view(volume: Volume, t: TensorInfo, writes: str = "readonly") -> Any:
     import numpy as np
 
-    buf = _source(volume, writes)
+    buf = source(volume, writes)
     if t.dtype in SUB_BYTE:
         out = np.frombuffer(buf, np.uint8, t.nbytes, t.offset)
     else:
@@ -106,7 +108,7 @@ def torch_view(volume: Volume, t: TensorInfo, writes: str = "readonly") -> Any:
     # Through numpy, not torch.frombuffer: a numpy array holds a buffer export of the
     # mapping, so Volume.close() cannot unmap it under the tensor; torch.frombuffer
     # only keeps a reference and would leave the tensor dangling after close().
-    raw = np.frombuffer(_source(volume, writes), np.uint8, t.nbytes, t.offset)
+    raw = np.frombuffer(source(volume, writes), np.uint8, t.nbytes, t.offset)
     if writes == "copy":
         flat = torch.from_numpy(raw.copy())
     elif writes == "private":

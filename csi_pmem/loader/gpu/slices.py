@@ -57,6 +57,7 @@ class RankCopier:
         self.copied = 0  # bytes moved by this copier (the rank's slices)
         self.elsewhere = 0  # bytes of VolumeTensors copied by torch itself
         self.copies = 0
+        self.path = PATH  # the path's name in the load's log line
         self._bufs = [torch.empty(buffer_size, dtype=torch.uint8, pin_memory=self.cuda)
                       for _ in range(max(1, buffers))]
         self._events: list[Any] = [None] * len(self._bufs)
@@ -64,7 +65,7 @@ class RankCopier:
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="slices") \
             if threads > 1 else None
         self._threads = max(1, threads)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a subclass copies again under it
 
     def wants(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Whether ``dst.copy_(src)`` is one this copier does: onto its device, same
