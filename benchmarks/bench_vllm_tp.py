@@ -20,6 +20,9 @@ each ending in ``param_slice.copy_(loaded_slice)``, as in vLLM.
 Methods, each in fresh processes (TP of them at once, on one GPU), rounds interleaved:
   rank-slices   csi-pmem's format for a rank of several: VolumeTensor views whose copy_
                 goes through pinned buffers (csi_pmem.loader.gpu.slices)
+  rank-node     the same views, their copy_ through the node's GPU copy service (the
+                volume published with gpu.sock): each slice one plain or 2D copy into a
+                ring of slots, then a device copy (csi_pmem.loader.gpu.rankslots)
   cpu-views     plain views of the mapping, copy_ from pageable memory (what the format
                 did before)
 
@@ -36,6 +39,7 @@ Usage (on the GPU host, after ``source benchmarks/gpu_host.sh``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -53,7 +57,7 @@ import bench_fresh as bf  # noqa: E402
 import bench_vllm as bv  # noqa: E402
 
 ROW_PARALLEL = (".o_proj.", ".down_proj.")
-METHODS = ("rank-slices", "cpu-views")
+METHODS = ("rank-slices", "rank-node", "cpu-views")
 
 
 def cut(name: str, shape: list[int], rank: int, tp: int) -> tuple[int, int, int] | None:
@@ -77,7 +81,7 @@ def worker(spec: dict[str, Any]) -> int:
     import torch
 
     from csi_pmem.loader import start_load
-    from csi_pmem.loader.gpu import slices
+    from csi_pmem.loader.gpu import rankslots, slices
 
     rank, tp, method = spec["rank"], spec["tp"], spec["method"]
     dev = torch.device(spec["device"])
@@ -96,10 +100,16 @@ def worker(spec: dict[str, Any]) -> int:
             shape[c[0]] = shape[c[0]] // tp
         params[pname] = torch.empty(shape, dtype=dtypes[dt], device=dev)
     torch.cuda.synchronize(dev)
-    copier = slices.RankCopier(dev, rank, tp, threads=spec["threads"]) \
-        if method == "rank-slices" else None
     t0 = time.perf_counter()
-    handle = start_load(spec["volume"], "cpu", verify=False, writes="readonly")
+    node = method == "rank-node"
+    handle = start_load(spec["node_dir"] if node else spec["volume"], "cpu", verify=False,
+                        writes="readonly")
+    copier: Any = None
+    if method == "rank-slices":
+        copier = slices.RankCopier(dev, rank, tp, threads=spec["threads"])
+    elif node:
+        copier = rankslots.rank_copier(handle.view.volume, dev, rank, tp, "readonly",
+                                       spec["budget"])
     ctx = slices.active(copier) if copier else None
     if ctx:
         ctx.__enter__()
@@ -126,6 +136,9 @@ def worker(spec: dict[str, Any]) -> int:
     print("RESULT " + json.dumps({
         "seconds": seconds, "exact": exact,
         "copied": copier.copied if copier else None,
+        "node_copied": getattr(copier, "node_copied", None),
+        "path": copier.path if copier else None,
+        "refused": getattr(copier, "refused", None),
         "elsewhere": copier.elsewhere if copier else None}), flush=True)
     return 0
 
@@ -185,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=slices_threads(),
                    help="packing threads per rank for rank-slices (default: the loader's)")
     p.add_argument("--timeout-s", type=float, default=300)
+    p.add_argument("--budget", type=int, default=1 << 30,
+                   help="rank-node: the device memory its slots may hold (bytes)")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -204,8 +219,19 @@ def main(argv: list[str] | None = None) -> int:
         bf.make_reference(common, args, os.path.join(args.work, "logs"),
                           script=str(HERE / "bench_vllm.py"))
     spec = {"volume": volume, "files": files, "reference": reference,
-            "device": args.device, "threads": args.threads}
+            "device": args.device, "threads": args.threads, "budget": args.budget}
     methods = [m for m in args.methods.split(",") if m]
+    with contextlib.ExitStack() as stack:
+        if "rank-node" in methods:
+            from csi_pmem.driver.standalone import published
+
+            spec["node_dir"] = stack.enter_context(
+                published(volume, os.path.join(args.work, "published-tp")))
+        return measure(args, spec, methods, nbytes, ntensors)
+
+
+def measure(args: argparse.Namespace, spec: dict[str, Any], methods: list[str],
+            nbytes: int, ntensors: int) -> int:
     sizes = [int(x) for x in args.tp.split(",")]
     bf.log(f"model {nbytes / 1e9:.2f} GB, {ntensors} tensors; TP {sizes}; {methods}; "
            f"{args.threads} packing threads per rank")
@@ -221,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                 bf.log(f"round {r} TP={tp} {m}: slowest rank {slow:.3f} s "
                        f"({nbytes / 1e9 / slow:.2f} GB/s), exact "
                        f"{[x.get('exact') for x in rec['ranks']]}, read "
-                       f"{[x.get('copied') for x in rec['ranks']]}")
+                       f"{[x.get('copied') for x in rec['ranks']]}, by the service "
+                       f"{[x.get('node_copied') for x in rec['ranks']]}, refused "
+                       f"{[x.get('refused') or x.get('error') for x in rec['ranks']]}")
     rows = []
     print("| TP | method | best GB/s (slowest rank) | median GB/s | each rank's read, of 1/TP"
           " | copied by torch | exact |")
