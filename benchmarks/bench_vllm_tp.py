@@ -80,7 +80,7 @@ def slices_threads() -> int:
 def worker(spec: dict[str, Any]) -> int:
     import torch
 
-    from csi_pmem.loader import start_load
+    from csi_pmem.loader import open_model, start_load
     from csi_pmem.loader.gpu import rankslots, slices
 
     rank, tp, method = spec["rank"], spec["tp"], spec["method"]
@@ -102,13 +102,15 @@ def worker(spec: dict[str, Any]) -> int:
     torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
     node = method == "rank-node"
-    handle = start_load(spec["node_dir"] if node else spec["volume"], "cpu", verify=False,
-                        writes="readonly")
+    # Open here, as vLLM's format does: the copier finds a slice's volume offset in the
+    # mapping, which a load that opened the volume itself closes once its views exist.
+    model = open_model(spec["node_dir"] if node else spec["volume"])
+    handle = start_load(model, "cpu", verify=False, writes="readonly")
     copier: Any = None
     if method == "rank-slices":
         copier = slices.RankCopier(dev, rank, tp, threads=spec["threads"])
     elif node:
-        copier = rankslots.rank_copier(handle.view.volume, dev, rank, tp, "readonly",
+        copier = rankslots.rank_copier(model.volume, dev, rank, tp, "readonly",
                                        spec["budget"])
     ctx = slices.active(copier) if copier else None
     if ctx:

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from csi_pmem.loader import ChecksumError, load_safetensors, open_volume, stage, start_load
+from csi_pmem.loader import (
+    ChecksumError,
+    load_safetensors,
+    open_model,
+    open_volume,
+    stage,
+    start_load,
+)
 from csi_pmem.weights.layout import read_index
 from csi_pmem.weights.mapping import buffer_address
 
@@ -809,8 +816,9 @@ def test_rank_slices_through_the_node_service_are_bit_exact(tmp_path, tp):
     dev = torch.device("cuda:0")
     with published(str(vol), str(tmp_path / "pub")) as directory:
         for rank in range(tp):
-            handle = start_load(directory, "cpu", verify=False, writes="readonly")
-            volume = handle.view.volume
+            model = open_model(directory)  # open while the copier runs, as vLLM's is
+            handle = start_load(model, "cpu", verify=False, writes="readonly")
+            volume = model.volume
             copier = rankslots.rank_copier(volume, dev, rank, tp, "readonly", 8 << 20)
             assert copier.path == rankslots.PATH, copier.describe()
             copier.small = 0

@@ -48,6 +48,7 @@ from csi_pmem.loader.gpu import nodecopy, slices
 from csi_pmem.loader.gpu.nodecopy import NodeCopyError, allocation_failed
 from csi_pmem.loader.gpu.nodepool import Lease, NodePool, Slot
 from csi_pmem.sizes import MiB, describe_size
+from csi_pmem.weights.errors import LoaderError
 from csi_pmem.weights.mapping import buffer_address
 from csi_pmem.weights.volume import Volume
 
@@ -129,6 +130,13 @@ class CudaGate:
         self.device = device
         self._lock = threading.Lock()
         self._value = 0
+        # torch's context (the device's primary one), current in this thread even
+        # where torch has made no CUDA call yet.
+        self._dev_handle = self._check(cu, cu.cuDeviceGet(device.index or 0),
+                                       "cuDeviceGet")
+        self._ctx = self._check(cu, cu.cuDevicePrimaryCtxRetain(self._dev_handle),
+                                "cuDevicePrimaryCtxRetain")
+        self._check(cu, cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         self._host = self._check(cu, cu.cuMemHostAlloc(
             4, cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP),
             "allocating the pinned word (cuMemHostAlloc)")
@@ -140,10 +148,12 @@ class CudaGate:
             self.after(0)  # the call works here (stream memory operations supported)
         except BaseException:
             cu.cuMemFreeHost(self._host)
+            cu.cuDevicePrimaryCtxRelease(self._dev_handle)
             raise
 
     def after(self, count: int) -> None:
         cu = self._cu
+        self._check(cu, cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         stream = cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         self._check(cu, cu.cuStreamWaitValue32(
             stream, self._dev, count,
@@ -162,6 +172,7 @@ class CudaGate:
         host, self._host = self._host, None
         if host is not None:
             self._cu.cuMemFreeHost(host)
+            self._cu.cuDevicePrimaryCtxRelease(self._dev_handle)
 
 
 class HostGate:
@@ -389,9 +400,10 @@ class NodeRankCopier(slices.RankCopier):
 def rank_copier(volume: Volume, device: torch.device, rank: int, size: int, writes: str,
                 budget: int) -> slices.RankCopier:
     """The copier for tensor-parallel rank ``rank`` of ``size`` whose views are of the
-    ``writes`` mapping of ``volume``: through the node's copy service where the volume
-    has one that copies rows (a ring of slots within ``budget`` bytes of device memory),
-    else the pinned ring; says why once when the service was there but not used."""
+    ``writes`` mapping of ``volume`` (open while the copier is used): through the node's
+    copy service where the volume has one that copies rows (a ring of slots within
+    ``budget`` bytes of device memory), else the pinned ring; says why when the service
+    was there but not used."""
     path = nodecopy.service_socket(volume)
     if path is None or device.type != "cuda":
         return slices.RankCopier(device, rank, size)
@@ -415,8 +427,14 @@ def rank_copier(volume: Volume, device: torch.device, rank: int, size: int, writ
             pool.close()
         log.warning("rank %d: %s; its slices go through pinned buffers", rank, exc)
         return slices.RankCopier(device, rank, size)
-    mapping = cpu.source(volume, writes)
-    return NodeRankCopier(device, rank, size, pool=pool, gate=gate,
-                          base=buffer_address(mapping), span=volume.size,
+    try:
+        base = buffer_address(cpu.source(volume, writes))
+    except LoaderError as exc:  # closed under the caller: the ring still works
+        pool.close()
+        gate.close()
+        log.warning("rank %d: %s; its slices go through pinned buffers", rank, exc)
+        return slices.RankCopier(device, rank, size)
+    return NodeRankCopier(device, rank, size, pool=pool, gate=gate, base=base,
+                          span=volume.size,
                           view=lambda lease: torch.as_tensor(lease, device=device),
                           slot_size=slot)
