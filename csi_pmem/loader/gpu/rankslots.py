@@ -46,7 +46,7 @@ from csi_pmem.gpucopy import protocol
 from csi_pmem.loader import cpu
 from csi_pmem.loader.gpu import nodecopy, slices
 from csi_pmem.loader.gpu.nodecopy import NodeCopyError, allocation_failed
-from csi_pmem.loader.gpu.nodepool import Lease, NodePool, Slot
+from csi_pmem.loader.gpu.nodepool import Lease, NodePool
 from csi_pmem.sizes import MiB, describe_size
 from csi_pmem.weights.errors import LoaderError
 from csi_pmem.weights.mapping import buffer_address
@@ -197,8 +197,7 @@ class HostGate:
 
 
 class _Ring(NamedTuple):
-    slot: Slot
-    lease: Lease
+    lease: Lease  # its slot, held for the whole load
     view: torch.Tensor  # bytes of the slot, as this process sees them
 
 
@@ -232,7 +231,9 @@ class NodeRankCopier(slices.RankCopier):
         self.refused: str | None = None  # why the service stopped serving, if it did
         self._ring: list[_Ring] = []
         self._ends: list[int] = []  # per ring slot: the count its last fill ends at
-        self._events: list[Any] = []
+        # Per ring slot: its last device copy out (the pinned ring's own events are
+        # the base class's, for its buffers: a slice of either path may come next).
+        self._slot_events: list[Any] = []
         self._turn = 0
         self._sent: collections.deque[_Sent] = collections.deque()
         self._finished = threading.Event()
@@ -241,9 +242,9 @@ class NodeRankCopier(slices.RankCopier):
             for _ in range(max(1, slots)):
                 slot = pool.acquire(slot_size)
                 lease = pool.lease(slot, slot_size)
-                self._ring.append(_Ring(slot, lease, view(lease)))
+                self._ring.append(_Ring(lease, view(lease)))
                 self._ends.append(0)
-                self._events.append(None)
+                self._slot_events.append(None)
         except Exception as exc:
             self._stop(exc if isinstance(exc, NodeCopyError) else allocation_failed(exc))
         self.path = PATH if self._ring and self.refused is None else slices.PATH
@@ -304,14 +305,14 @@ class NodeRankCopier(slices.RankCopier):
         self._turn = (i + 1) % len(self._ring)
         ring = self._ring[i]
         self._wait_landed(self._ends[i])  # the fill before: landed (or never will)
-        if self._events[i] is not None:
-            self._events[i].synchronize()  # and copied out of the slot
-            self._events[i] = None
+        if self._slot_events[i] is not None:
+            self._slot_events[i].synchronize()  # and copied out of the slot
+            self._slot_events[i] = None
         nbytes = cut.rows * cut.width
         if self.pool.landed >= RELEASE // 2:
             raise NodeCopyError("this connection's copies reached the count the GPU "
                                 "waits on")
-        _, end = self.pool.submit(ring.slot, [cut.copy()])
+        _, end = self.pool.submit(ring.lease.slot, [cut.copy()])
         self._ends[i] = end
         self._sent.append(_Sent(end, dst, src))
         self.gate.after(end)
@@ -320,7 +321,7 @@ class NodeRankCopier(slices.RankCopier):
         if self.cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-            self._events[i] = event
+            self._slot_events[i] = event
         self._forget_landed()
 
     def _wait_landed(self, count: int) -> None:
@@ -383,11 +384,11 @@ class NodeRankCopier(slices.RankCopier):
                 self._redo()
                 self._forget_landed()
             finally:
-                for event in self._events:
+                for event in self._slot_events:
                     if event is not None:
                         with contextlib.suppress(Exception):
                             event.synchronize()
-                self._events = [None] * len(self._events)
+                self._slot_events = [None] * len(self._slot_events)
                 self.gate.landed(None)
                 super().finish()
                 self._ring = []
