@@ -26,11 +26,15 @@ Methods, each in fresh processes (TP of them at once, on one GPU), rounds interl
   cpu-views     plain views of the mapping, copy_ from pageable memory (what the format
                 did before)
 
-Each rank reports its seconds (start_load to torch.cuda.synchronize()), the bytes the
-copier moved (its slices), the bytes torch copied from the views itself, and whether
-every parameter equals the checkpoint's slice read by safetensors (bit for bit). The
-row's GB/s is the model's bytes over the slowest rank's seconds (an engine waits for
-its slowest rank); a rank's share is its bytes read over 1/TP of the model.
+The ranks start their loads together, as an engine's workers do once their devices and
+process group are up: each rank allocates its parameters, says it is ready and waits
+for the word, which the parent gives once every rank is ready. Each rank reports its
+seconds (start_load to torch.cuda.synchronize()) and the wall-clock times of both ends,
+the bytes the copier moved (its slices), the bytes torch copied from the views itself,
+and whether every parameter equals the checkpoint's slice read by safetensors (bit for
+bit). The row's GB/s is the model's bytes over the span from the first rank's start to
+the last rank's end: what the engine waits for. The slowest rank's own seconds are
+given beside it; a rank's share is its bytes read over 1/TP of the model.
 
 Usage (on the GPU host, after ``source benchmarks/gpu_host.sh``):
   python3 benchmarks/bench_vllm_tp.py --work /mnt/h/vllm --tp 2,4 --json tp.json
@@ -100,6 +104,9 @@ def worker(spec: dict[str, Any]) -> int:
             shape[c[0]] = shape[c[0]] // tp
         params[pname] = torch.empty(shape, dtype=dtypes[dt], device=dev)
     torch.cuda.synchronize(dev)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    start = time.time()
     t0 = time.perf_counter()
     node = method == "rank-node"
     # Open here, as vLLM's format does: the copier finds a slice's volume offset in the
@@ -134,9 +141,10 @@ def worker(spec: dict[str, Any]) -> int:
             copier.finish()
     torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
+    end = time.time()
     exact = check(params, slots, ref, spec["files"], rank, tp)
     print("RESULT " + json.dumps({
-        "seconds": seconds, "exact": exact,
+        "seconds": seconds, "start": start, "end": end, "exact": exact,
         "copied": copier.copied if copier else None,
         "node_copied": getattr(copier, "node_copied", None),
         "path": copier.path if copier else None,
@@ -169,22 +177,51 @@ def check(params: dict[str, Any], slots: dict[str, bv.Slot], ref: dict[str, Any]
     return True
 
 
-def run_ranks(spec: dict[str, Any], tp: int, method: str, timeout: float) -> dict[str, Any]:
-    procs = []
+def run_ranks(spec: dict[str, Any], tp: int, method: str, timeout: float,
+              logs: str) -> dict[str, Any]:
+    """Start TP workers, wait until each is ready, then start them all at once."""
+    procs, errs = [], []
     for rank in range(tp):
         s = dict(spec, rank=rank, tp=tp, method=method)
+        err = open(os.path.join(logs, f"tp{tp}-{method}-rank{rank}.err"), "w+")
+        errs.append(err)
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--worker", json.dumps(s)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    ranks = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
-        if p.returncode != 0 or line is None:
-            ranks.append({"error": err[-2000:], "rc": p.returncode})
-        else:
-            ranks.append(json.loads(line[7:]))
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True))
+    ranks: list[dict[str, Any]] = []
+    try:
+        for p in procs:
+            # A worker that dies before it is ready ends its stdout: readline returns "".
+            line = "-"
+            while line and line.strip() != "READY":
+                line = p.stdout.readline()  # type: ignore[union-attr]
+        for p in procs:
+            with contextlib.suppress(BrokenPipeError):
+                p.stdin.write("go\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+        for p, err in zip(procs, errs, strict=True):
+            out, _ = p.communicate(timeout=timeout)
+            line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+            if p.returncode != 0 or line is None:
+                err.seek(0)
+                ranks.append({"error": err.read()[-2000:], "rc": p.returncode})
+            else:
+                ranks.append(json.loads(line[7:]))
+    finally:
+        for p, err in zip(procs, errs, strict=True):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            err.close()
     return {"tp": tp, "method": method, "ranks": ranks}
+
+
+def span(rec: dict[str, Any]) -> float | None:
+    """Seconds from the first rank's start to the last rank's end; None if one failed."""
+    ok = [x for x in rec["ranks"] if "seconds" in x]
+    if not ok or len(ok) != len(rec["ranks"]):
+        return None
+    return max(x["end"] for x in ok) - min(x["start"] for x in ok)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,35 +278,41 @@ def measure(args: argparse.Namespace, spec: dict[str, Any], methods: list[str],
     for r in range(args.rounds):
         for tp in sizes:
             for m in methods:
-                rec = run_ranks(spec, tp, m, args.timeout_s)
+                rec = run_ranks(spec, tp, m, args.timeout_s,
+                                os.path.join(args.work, "logs"))
                 rec["round"] = r
+                rec["span"] = span(rec)
                 records.append(rec)
                 ok = [x for x in rec["ranks"] if "seconds" in x]
                 slow = max((x["seconds"] for x in ok), default=float("nan"))
-                bf.log(f"round {r} TP={tp} {m}: slowest rank {slow:.3f} s "
-                       f"({nbytes / 1e9 / slow:.2f} GB/s), exact "
+                whole = rec["span"] or float("nan")
+                bf.log(f"round {r} TP={tp} {m}: first start to last end {whole:.3f} s "
+                       f"({nbytes / 1e9 / whole:.2f} GB/s), slowest rank {slow:.3f} s, "
+                       f"exact "
                        f"{[x.get('exact') for x in rec['ranks']]}, read "
                        f"{[x.get('copied') for x in rec['ranks']]}, by the service "
                        f"{[x.get('node_copied') for x in rec['ranks']]}, refused "
                        f"{[x.get('refused') or x.get('error') for x in rec['ranks']]}")
     rows = []
-    print("| TP | method | best GB/s (slowest rank) | median GB/s | each rank's read, of 1/TP"
-          " | copied by torch | exact |")
-    print("|---:|---|---:|---:|---|---:|---|")
+    print("| TP | method | best GB/s | median GB/s | median, slowest rank's own |"
+          " each rank's read, of 1/TP | copied by torch | exact |")
+    print("|---:|---|---:|---:|---:|---|---:|---|")
     for tp in sizes:
         for m in methods:
             recs = [x for x in records if x["tp"] == tp and x["method"] == m]
-            speeds, shares, exact, elsewhere = [], [], True, 0
+            speeds, own, shares, exact, elsewhere = [], [], [], True, 0
             for rec in recs:
                 ok = [x for x in rec["ranks"] if "seconds" in x]
                 exact = exact and len(ok) == tp and all(x["exact"] for x in ok)
-                if len(ok) == tp:
-                    speeds.append(nbytes / 1e9 / max(x["seconds"] for x in ok))
+                if len(ok) == tp and rec["span"]:
+                    speeds.append(nbytes / 1e9 / rec["span"])
+                    own.append(nbytes / 1e9 / max(x["seconds"] for x in ok))
                 shares += [x["copied"] / (nbytes / tp) for x in ok
                            if x.get("copied") is not None]
                 elsewhere += sum(x.get("elsewhere") or 0 for x in ok)
             row = {"tp": tp, "method": m, "best GB/s": max(speeds, default=None),
                    "median GB/s": statistics.median(speeds) if speeds else None,
+                   "median GB/s, slowest rank": statistics.median(own) if own else None,
                    "share max": max(shares, default=None),
                    "share min": min(shares, default=None),
                    "copied by torch": elsewhere, "exact": exact}
@@ -278,7 +321,8 @@ def measure(args: argparse.Namespace, spec: dict[str, Any], methods: list[str],
                      if shares else "n/a (not counted)")
             best = f"{row['best GB/s']:.2f}" if speeds else "failed"
             med = f"{row['median GB/s']:.2f}" if speeds else "-"
-            print(f"| {tp} | {m} | {best} | {med} | {share} | {elsewhere} | "
+            slowest = f"{row['median GB/s, slowest rank']:.2f}" if own else "-"
+            print(f"| {tp} | {m} | {best} | {med} | {slowest} | {share} | {elsewhere} | "
                   f"{'yes' if exact else 'NO'} |")
     if args.json:
         with open(args.json, "w") as f:
