@@ -46,8 +46,9 @@ Each worker reports GB/s (checkpoint bytes / seconds, the clock from the iterato
 creation to torch.cuda.synchronize() after the last copy and the method's own end,
 for ours the verification), bit-exactness (every parameter slice against the
 checkpoint tensor's fingerprint, computed before the rounds from safetensors on the
-CPU), and two peaks beyond the parameters: ``peak torch`` (torch's
-max_memory_allocated minus what was allocated at the clock's start) and ``peak device``
+CPU), and peaks beyond the parameters: ``peak torch`` (torch's
+max_memory_allocated minus what was allocated at the clock's start; ``peak reserved``,
+the same for what its caching allocator holds, freed blocks included) and ``peak device``
 (the device's used memory, sampled every 5 ms with cudaMemGetInfo, as nvidia-smi's
 memory.used reads it, minus its value at the start; it sees the copy service's process
 and allocations outside torch's allocator too). For ours on the node path also ``peak
@@ -88,8 +89,9 @@ CEILING = bf.CEILING
 STACKED = ((".qkv_proj", ".q_proj", 0), (".qkv_proj", ".k_proj", 1),
            (".qkv_proj", ".v_proj", 2), (".gate_up_proj", ".gate_proj", 0),
            (".gate_up_proj", ".up_proj", 1))
-EXTRA_KEYS = ("peak torch", "peak device", "peak exported", "path", "budget", "slots")
-PEAKS = ("peak torch", "peak device", "peak exported")
+EXTRA_KEYS = ("peak torch", "peak reserved", "peak device", "peak exported", "path",
+              "budget", "slots")
+PEAKS = ("peak torch", "peak reserved", "peak device", "peak exported")
 
 
 # --- the server's parameters and its weight loaders -----------------------------------
@@ -435,6 +437,7 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev)
+    reserved = torch.cuda.memory_reserved(dev)
     path = ""
     with PeakSampler(torch, dev) as sampler:
         started = time.perf_counter()
@@ -454,6 +457,7 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
                   **{"GB/s": nbytes / 1e9 / seconds if seconds > 0 else 0.0},
                   tensors=len(server.loaded), path=path, budget=spec["budget"],
                   **{"peak torch": torch.cuda.max_memory_allocated(dev) - base,
+                     "peak reserved": torch.cuda.max_memory_reserved(dev) - reserved,
                      "peak device": sampler.peak - sampler.base})
     if "exported" in ctx.state:
         result["peak exported"] = ctx.state["exported"]["peak"]
@@ -499,10 +503,11 @@ def summarize(labels: list[str], records: list[dict[str, Any]]) -> list[dict[str
 
 def render(rows: list[dict[str, Any]]) -> str:
     lines = [bf.render_table(rows), "", "| method | max peak torch MiB | "
-             "max peak device MiB | max peak exported MiB | path |",
-             "| --- | ---: | ---: | ---: | --- |"]
+             "max peak reserved MiB | max peak device MiB | max peak exported MiB | path |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['max peak torch MiB']} | "
+                     f"{r['max peak reserved MiB']} | "
                      f"{r['max peak device MiB']} | {r['max peak exported MiB']} | "
                      f"{','.join(r['paths'])} |")
     return "\n".join(lines)
